@@ -1,0 +1,176 @@
+"""Paged attention: the per-step metadata, the backend interface and the torch backend.
+
+A step's batch is a flat list of query tokens. Sequence b owns query rows
+cu_seqlens_q[b]:cu_seqlens_q[b+1]; its KV length after this step is seq_lens[b]
+(the new tokens' K/V are stored before attention runs), so its query row i sits at
+position seq_lens[b] - q_len + i. KV position p of sequence b lives in cache block
+block_tables[b, p // block_size] at offset p % block_size. Cache layout per layer:
+[num_blocks, block_size, num_kv_heads, head_dim] for K and for V.
+
+The metadata lives in a per-step context (set by the model runner) so model code
+never threads it through forward signatures.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttnMetadata:
+    cu_seqlens_q: torch.Tensor  # int32 [B+1]
+    seq_lens: torch.Tensor  # int32 [B]
+    block_tables: torch.Tensor  # int32 [B, max_blocks]
+    slot_mapping: torch.Tensor  # int64 [T]
+    query_lens: list[int]  # host copies, so backends never sync on them
+    kv_lens: list[int]
+    block_size: int
+    # Backend-private values derived once per step and reused by every layer.
+    cache: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.query_starts = [0]
+        for n in self.query_lens:
+            self.query_starts.append(self.query_starts[-1] + n)
+
+    @property
+    def max_seqlen_q(self) -> int:
+        return max(self.query_lens, default=0)
+
+
+class AttentionBackend:
+    name = "base"
+
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        raise NotImplementedError
+
+    def forward(self, q, k_cache, v_cache, meta: AttnMetadata, scale: float,
+                sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchBackend(AttentionBackend):
+    """Runs anywhere. Decodes are batched into one padded SDPA call; each prefill chunk
+    runs alone with an explicit causal (and sliding-window) mask."""
+
+    name = "torch"
+
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
+        nb, bs, h, d = k_cache.shape
+        k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+    def _plan(self, meta: AttnMetadata, device):
+        plan = meta.cache.get("torch")
+        if plan is not None:
+            return plan
+        bs = meta.block_size
+        dec = [i for i, n in enumerate(meta.query_lens) if n == 1]
+        pre = [i for i, n in enumerate(meta.query_lens) if n > 1]
+        plan = {"prefill": pre, "decode": None}
+        if dec:
+            dec_t = torch.tensor(dec, device=device)
+            rows = torch.tensor([meta.query_starts[i] for i in dec], device=device)
+            lens = meta.seq_lens[dec_t].long()
+            max_len = max(meta.kv_lens[i] for i in dec)
+            nblk = -(-max_len // bs)
+            tables = meta.block_tables[dec_t, :nblk].long()
+            offs = torch.arange(nblk * bs, device=device)
+            slots = (tables[:, offs // bs] * bs + offs % bs)[:, :max_len]  # [Bd, L]
+            pos = torch.arange(max_len, device=device)
+            plan["decode"] = (rows, slots, pos[None, :] < lens[:, None], lens - 1, pos)
+        meta.cache["torch"] = plan
+        return plan
+
+    def forward(self, q, k_cache, v_cache, meta, scale, sliding_window=None, softcap=None):
+        out = torch.empty_like(q)
+        plan = self._plan(meta, q.device)
+        nb, bs, hkv, d = k_cache.shape
+        kflat, vflat = k_cache.view(nb * bs, hkv, d), v_cache.view(nb * bs, hkv, d)
+        starts = meta.query_starts
+        if plan["decode"] is not None:
+            rows, slots, valid, qpos, pos = plan["decode"]
+            mask = valid
+            if sliding_window:
+                mask = mask & (pos[None, :] > qpos[:, None] - sliding_window)
+            qd = q[rows].unsqueeze(2)  # [Bd, Hq, 1, D]
+            kd = kflat[slots].transpose(1, 2).to(q.dtype)  # [Bd, Hkv, L, D]
+            vd = vflat[slots].transpose(1, 2).to(q.dtype)
+            out[rows] = _sdpa(qd, kd, vd, mask[:, None, None, :], scale, softcap).squeeze(2)
+        for i in plan["prefill"]:
+            ql, kl = meta.query_lens[i], meta.kv_lens[i]
+            s = starts[i]
+            nblk = -(-kl // bs)
+            table = meta.block_tables[i, :nblk].long()
+            slots = (table[:, None] * bs + torch.arange(bs, device=q.device)).reshape(-1)[:kl]
+            kpos = torch.arange(kl, device=q.device)
+            qpos = torch.arange(kl - ql, kl, device=q.device)
+            mask = kpos[None, :] <= qpos[:, None]
+            if sliding_window:
+                mask = mask & (kpos[None, :] > qpos[:, None] - sliding_window)
+            qs = q[s:s + ql].transpose(0, 1).unsqueeze(0)  # [1, Hq, ql, D]
+            ks = kflat[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            vs = vflat[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            out[s:s + ql] = _sdpa(qs, ks, vs, mask[None, None], scale, softcap)[0].transpose(0, 1)
+        return out
+
+
+def _sdpa(q, k, v, mask, scale, softcap):
+    """q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D], mask bool broadcastable to [B, Hq, Lq, Lk]."""
+    hq, hkv = q.shape[1], k.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
+    if hq != hkv:
+        k = k.repeat_interleave(hq // hkv, dim=1)
+        v = v.repeat_interleave(hq // hkv, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self):
+        from ops import triton_attention
+        self._k = triton_attention
+
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
+        self._k.store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def forward(self, q, k_cache, v_cache, meta, scale, sliding_window=None, softcap=None):
+        return self._k.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
+                                       meta.block_tables, scale, sliding_window=sliding_window,
+                                       softcap=softcap, max_seqlen_q=meta.max_seqlen_q)
+
+
+BACKENDS = {"torch": TorchBackend, "triton": TritonBackend}
+
+
+def get_backend(name: str, device: torch.device) -> AttentionBackend:
+    """'auto' picks flashinfer-class speed where available: Triton on CUDA, torch elsewhere."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(BACKENDS)} or 'auto'")
+    return BACKENDS[name]()
+
+
+# The per-step context: set by the model runner before each forward.
+_CTX: dict = {"meta": None, "backend": None}
+
+
+def set_context(meta: AttnMetadata | None, backend: AttentionBackend | None = None) -> None:
+    _CTX["meta"] = meta
+    if backend is not None:
+        _CTX["backend"] = backend
+
+
+def attend(q, k, v, k_cache, v_cache, scale, sliding_window=None, softcap=None):
+    """q [T, Hq, D], k/v [T, Hkv, D]: store the new K/V, then attend over the paged cache."""
+    meta, backend = _CTX["meta"], _CTX["backend"]
+    backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    return backend.forward(q, k_cache, v_cache, meta, scale, sliding_window, softcap)

@@ -1,0 +1,104 @@
+"""Batched sampling on the device: every request in the batch has its own parameters,
+and nothing goes back to the host per request.
+
+Order of logit processing: logit bias and min-tokens masking, repetition penalty
+(prompt and output tokens), presence/frequency penalties (output tokens), then
+temperature, top-k, top-p and min-p. Sampling is argmax(p / E) with E ~ Exp(1) noise,
+which draws from p; a seeded request draws its noise from its own generator, seeded by
+(seed, output position), so its tokens depend on nothing else in the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK64 = (1 << 63) - 1
+
+
+@dataclass
+class SamplingBatch:
+    temperature: torch.Tensor  # [B] float; 0 = greedy
+    top_k: torch.Tensor | None  # [B] long, vocab size = off
+    top_p: torch.Tensor | None  # [B] float
+    min_p: torch.Tensor | None  # [B] float
+    repetition_penalty: torch.Tensor | None  # [B]
+    presence_penalty: torch.Tensor | None  # [B]
+    frequency_penalty: torch.Tensor | None  # [B]
+    output_ids: torch.Tensor | None  # [B, L] long, padded with vocab size (ignored)
+    prompt_ids: torch.Tensor | None  # [B, Lp] long, padded with vocab size
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, token ids, values
+    banned: tuple[torch.Tensor, torch.Tensor] | None  # rows, token ids set to -inf (min_tokens)
+    seeds: list[tuple[int, int]]  # (row, per-step seed) for seeded rows
+    all_greedy: bool
+    num_logprobs: int | None  # max top-k alternatives asked for in the batch; None = no logprobs
+
+
+def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    B, V = logits.shape
+    if b.bias is not None:
+        rows, ids, vals = b.bias
+        logits.index_put_((rows, ids), vals, accumulate=True)
+    if b.banned is not None:
+        logits[b.banned] = float("-inf")
+    if b.repetition_penalty is not None:
+        seen = torch.zeros(B, V + 1, dtype=torch.bool, device=logits.device)
+        for ids in (b.prompt_ids, b.output_ids):
+            if ids is not None:
+                seen.scatter_(1, ids, True)
+        seen = seen[:, :V]
+        rp = b.repetition_penalty[:, None]
+        penalised = torch.where(logits > 0, logits / rp, logits * rp)
+        logits = torch.where(seen, penalised, logits)
+    if (b.presence_penalty is not None or b.frequency_penalty is not None) and b.output_ids is not None:
+        counts = torch.zeros(B, V + 1, dtype=logits.dtype, device=logits.device)
+        counts.scatter_add_(1, b.output_ids, torch.ones_like(b.output_ids, dtype=logits.dtype))
+        counts = counts[:, :V]
+        if b.frequency_penalty is not None:
+            logits = logits - b.frequency_penalty[:, None] * counts
+        if b.presence_penalty is not None:
+            logits = logits - b.presence_penalty[:, None] * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def sample(logits: torch.Tensor, b: SamplingBatch):
+    """logits [B, V] float32 -> (token ids [B], logprobs or None).
+    logprobs are from the model's raw distribution: (chosen [B], top ids [B, k], top values [B, k])."""
+    raw = logits
+    logits = apply_penalties(logits.clone(), b)
+    greedy_tokens = logits.argmax(dim=-1)
+    if b.all_greedy:
+        tokens = greedy_tokens
+    else:
+        temp = b.temperature.clamp(min=1e-5)[:, None]
+        probs = torch.softmax(logits / temp, dim=-1)
+        probs = _filter(probs, b)
+        noise = torch.empty_like(probs).exponential_()
+        for row, seed in b.seeds:
+            g = torch.Generator(device=probs.device)
+            g.manual_seed(seed & _MASK64)
+            noise[row].exponential_(generator=g)
+        sampled = (probs / noise).argmax(dim=-1)
+        tokens = torch.where(b.temperature == 0, greedy_tokens, sampled)
+    if b.num_logprobs is None:
+        return tokens, None
+    lp = torch.log_softmax(raw, dim=-1)
+    chosen = lp.gather(1, tokens[:, None])[:, 0]
+    top = lp.topk(b.num_logprobs, dim=-1) if b.num_logprobs > 0 else None
+    return tokens, (chosen, top.indices if top is not None else None, top.values if top is not None else None)
+
+
+def _filter(probs: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    if b.top_k is not None or b.top_p is not None:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        if b.top_k is not None:
+            ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+            sorted_p = sorted_p.masked_fill(ranks >= b.top_k[:, None], 0.0)
+        if b.top_p is not None:
+            norm = sorted_p / sorted_p.sum(dim=-1, keepdim=True)
+            before = norm.cumsum(dim=-1) - norm  # mass of strictly better tokens, after top-k
+            sorted_p = sorted_p.masked_fill(before >= b.top_p[:, None], 0.0)
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
+    if b.min_p is not None:
+        probs = probs.masked_fill(probs < b.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+    return probs

@@ -1,0 +1,49 @@
+"""Engine configuration: one dataclass, shared by the CLI, the offline Engine and the server."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # folder, .gguf, HF cache id; None: the bundled SmolLM2-135M-Instruct
+    load_format: str = "auto"  # "auto" or "dummy" (random weights; `model` names a config)
+    dtype: str = "auto"  # float32 / bfloat16 / float16; auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    attention_backend: str = "auto"  # torch / triton / auto
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # None: min(model's context, 4096)
+    max_num_batched_tokens: int = 2048
+    prefill_chunk_size: int = 512
+    block_size: int = 16
+    kv_cache_gb: float = 1.0  # CPU KV cache size
+    kv_fraction: float = 0.85  # GPU: share of free memory for the KV cache
+    num_kv_blocks: int | None = None  # exact KV cache size in blocks (tests); overrides the two above
+    enable_prefix_cache: bool = True
+    prefix_cache_max_tokens: int | None = None  # cap on tokens kept for reuse; None: the whole cache
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"--load-format must be 'auto' or 'dummy', got {self.load_format!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

@@ -1,0 +1,200 @@
+"""The offline Engine: the scheduler, one model worker and detokenization wired in one process."""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from xinfer.config import EngineConfig
+from xinfer.detokenizer import IncrementalDetokenizer
+from xinfer.errors import InvalidRequestError
+from xinfer.kv_cache import BlockManager
+from xinfer.loader import load_model_info
+from xinfer.sampling_params import SamplingParams
+from xinfer.scheduler import FINISHED, Scheduler, Sequence
+from xinfer.workers.model_runner import ModelRunner, num_kv_blocks
+
+log = logging.getLogger("xinfer.engine")
+
+
+@dataclass
+class RequestOutput:
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    logprobs: list | None = None  # per token: (logprob, [(token id, logprob), ...])
+    queued_time: float = 0.0
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class Delta:
+    """One streaming event: the new tokens and text of one sequence since the last event."""
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n choices
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, **kwargs):
+        self.config = config = config or EngineConfig(**kwargs)
+        self.info = load_model_info(config.model, config.load_format)
+        self.tokenizer = self.info.tokenizer
+        ctx = self.info.config.get("max_position_embeddings") or 4096
+        if config.max_model_len is None:
+            config.max_model_len = min(ctx, 4096)
+        self.max_model_len = config.max_model_len
+        dtype = config.torch_dtype
+        import torch
+        blocks = config.num_kv_blocks or num_kv_blocks(config, self.info.config, dtype, torch.device(config.device))
+        self.runner = ModelRunner(config, self.info, blocks)
+        self.blocks = BlockManager(blocks, config.block_size, config.enable_prefix_cache,
+                                   config.prefix_cache_max_tokens)
+        self.vocab_size = self.info.config["vocab_size"]
+        self.scheduler = Scheduler(config, self.blocks, self.max_model_len, self.info.eos_token_ids)
+        self._ids = itertools.count()
+        self._detok: dict[int, IncrementalDetokenizer] = {}
+        self._meta: dict[int, tuple[int, str]] = {}  # seq id -> (choice index, request id)
+        self._cached: dict[int, int] = {}
+        self._zero: list[Sequence] = []  # max_tokens=0 requests: finished without running
+
+    # ---- requests ----
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> list[int]:
+        """Validate and queue one request; returns the seq ids of its n choices."""
+        params = (params or SamplingParams()).validate(self.vocab_size)
+        ids = self._prompt_ids(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt is empty")
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        if room < 1 or max_tokens > room:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
+                f"({self.max_model_len})")
+        need = -(-(len(ids) + max_tokens) // self.config.block_size)
+        if need > self.blocks.num_blocks:
+            raise InvalidRequestError(f"request needs {need} KV blocks but the cache holds "
+                                      f"{self.blocks.num_blocks}; raise --kv-cache-gb or shorten it")
+        rid = request_id or f"req-{next(self._ids)}"
+        seqs = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            seq = Sequence(next(self._ids), rid, list(ids), params, seed, max_tokens)
+            seqs.append(seq)
+            self._meta[seq.seq_id] = (i, rid)
+            if self.tokenizer is not None:
+                self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
+                                                                  params.skip_special_tokens)
+        if max_tokens == 0:
+            for s in seqs:
+                s.status, s.finish_reason, s.finish_time = FINISHED, "length", time.time()
+            self._zero.extend(seqs)
+        else:
+            self.scheduler.add(seqs[0], seqs[1:])
+        return [s.seq_id for s in seqs]
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: pass token ids")
+            return self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"unknown token id {bad[0]} (vocabulary size {self.vocab_size})")
+        return ids
+
+    def abort(self, seq_id: int) -> None:
+        self.scheduler.abort(seq_id)
+
+    # ---- the loop ----
+    def step(self) -> list[Delta]:
+        """Run one scheduler step; returns the deltas it produced."""
+        deltas = [self._delta(s, [], s.finish_reason) for s in self._zero]
+        self._zero = []
+        if not self.scheduler.has_work():
+            return deltas
+        plan = self.scheduler.schedule()
+        result = self.runner.execute(plan)
+        for seq, tok in self.scheduler.update(result):
+            self._cached.setdefault(seq.seq_id, seq.num_cached_tokens or 0)
+            reason = seq.finish_reason
+            text = ""
+            det = self._detok.get(seq.seq_id)
+            if det is not None:
+                text = det.add([tok])
+                if det.stopped is not None and reason is None:
+                    self.scheduler.abort(seq.seq_id, "stop")  # the detokenizer found a stop string
+                    reason = "stop"
+                if reason:
+                    text += det.flush()
+            deltas.append(Delta(seq.seq_id, seq.request_id, self._meta[seq.seq_id][0], [tok], text, reason))
+        return deltas
+
+    def _delta(self, seq, toks, reason):
+        return Delta(seq.seq_id, seq.request_id, self._meta[seq.seq_id][0], toks, "", reason)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or bool(self._zero)
+
+    def get_num_cached_tokens_for_seq(self, seq_id: int) -> int:
+        return self._cached.get(seq_id, 0)
+
+    # ---- offline API ----
+    def stream(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> Iterator[Delta]:
+        """Queue prompts and yield deltas as they are produced, until all finish."""
+        for p, sp in zip(prompts, self._params_list(params, len(prompts))):
+            self.add_request(p, sp)
+        while self.has_unfinished():
+            yield from self.step()
+
+    def generate(self, prompts, params=None, use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        order, outs = [], {}
+        for p, sp in zip(prompts, self._params_list(params, len(prompts))):
+            for sid in self.add_request(p, sp):
+                order.append(sid)
+                outs[sid] = None
+        seqs = {}
+        for sid in order:
+            seqs[sid] = self.scheduler.seqs.get(sid) or next(s for s in self._zero if s.seq_id == sid)
+        texts = {sid: [] for sid in order}
+        while self.has_unfinished():
+            for d in self.step():
+                if d.seq_id in texts:
+                    texts[d.seq_id].append(d.text)
+        return [self._output(seqs[sid], "".join(texts[sid])) for sid in order]
+
+    def chat(self, conversations, params=None, **template_kwargs) -> list[RequestOutput]:
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.tokenizer.encode_chat(c, **template_kwargs) for c in conversations]
+        return self.generate(prompts, params)
+
+    def _output(self, seq: Sequence, text: str) -> RequestOutput:
+        self._detok.pop(seq.seq_id, None)
+        self._meta.pop(seq.seq_id, None)
+        return RequestOutput(seq.seq_id, seq.request_id, seq.prompt_ids, list(seq.output_ids), text,
+                             seq.finish_reason, seq.num_cached_tokens or 0,
+                             seq.logprobs if seq.params.logprobs is not None else None,
+                             seq.arrival_time, seq.first_token_time, seq.finish_time)
+
+    @staticmethod
+    def _params_list(params, n):
+        if isinstance(params, list):
+            if len(params) != n:
+                raise InvalidRequestError(f"{len(params)} sampling params for {n} prompts")
+            return params
+        return [params or SamplingParams()] * n

@@ -1,0 +1,13 @@
+"""Error types shared by every component; each maps to a clear user-facing message."""
+
+
+class XinferError(Exception):
+    """Base class of errors xinfer reports to users."""
+
+
+class ModelLoadError(XinferError):
+    """The model could not be found or read (missing files, corrupt weights, unknown architecture)."""
+
+
+class InvalidRequestError(XinferError, ValueError):
+    """A request or sampling parameter is invalid (maps to HTTP 400)."""

@@ -1,0 +1,51 @@
+"""Scheduler <-> worker messages: one StepPlan per step, one StepResult back.
+
+Workers keep a persistent batch: a sequence's tokens, blocks and sampling params are
+sent once (NewSeq), and afterwards only what changed (new blocks, how many tokens to
+compute). Token ids travel as raw int32 bytes.
+"""
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+from xinfer.sampling_params import SamplingParams
+
+
+def pack_ids(ids) -> bytes:
+    return np.asarray(ids, dtype=np.int32).tobytes()
+
+
+def unpack_ids(buf: bytes) -> list[int]:
+    return np.frombuffer(buf, dtype=np.int32).tolist()
+
+
+class NewSeq(msgspec.Struct, array_like=True):
+    seq_id: int
+    token_ids: bytes  # every known token: prompt + output so far (recompute after preemption)
+    num_prompt_tokens: int
+    num_computed: int  # tokens already in the KV cache (prefix-cache hits)
+    block_ids: list[int]
+    params: SamplingParams
+    seed: int | None  # this sequence's seed (n > 1 siblings get distinct ones)
+
+
+class Scheduled(msgspec.Struct, array_like=True):
+    seq_id: int
+    num_tokens: int  # tokens to compute this step, from the sequence's num_computed on
+    new_block_ids: list[int]
+
+
+class StepPlan(msgspec.Struct, array_like=True, tag="plan"):
+    step_id: int
+    new_seqs: list[NewSeq]
+    scheduled: list[Scheduled]  # in batch order; NewSeqs are scheduled here too
+    dropped: list[int]  # finished or preempted: forget them
+
+
+class StepResult(msgspec.Struct, array_like=True, tag="result"):
+    step_id: int
+    seq_ids: list[int]  # the sequences that sampled a token this step, in batch order
+    token_ids: bytes
+    # Per sampled token, when asked: (chosen logprob, [(token id, logprob), ...] top alternatives)
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None] = []

@@ -1,0 +1,110 @@
+"""KV block allocation and the prefix cache.
+
+Blocks are reference counted. A full block of a sequence is registered under a hash
+chained on its parent block's hash, so equal prefixes map to equal block chains. Blocks
+whose count drops to zero go to a free list in least-recently-used order; they keep
+their hash (and stay reusable) until the allocator takes them for new data.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+def block_hash(parent: int | None, tokens) -> int:
+    return hash((parent, tuple(tokens)))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True,
+                 max_cached_tokens: int | None = None):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_cache = enable_prefix_cache
+        self.max_cached_blocks = None if max_cached_tokens is None else max_cached_tokens // block_size
+        self.ref = [0] * num_blocks
+        self.hash_of: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # hash -> block id
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def usage(self) -> float:
+        return 1.0 - len(self.free) / self.num_blocks
+
+    # ---- prefix cache ----
+    def match_prefix(self, tokens: list[int]) -> tuple[list[int], list[int]]:
+        """Longest chain of cached full blocks for `tokens`: (block ids, their hashes). Takes no reference."""
+        if not self.enable_prefix_cache:
+            return [], []
+        blocks, hashes, parent = [], [], None
+        bs = self.block_size
+        for i in range(len(tokens) // bs):
+            h = block_hash(parent, tokens[i * bs:(i + 1) * bs])
+            b = self.cached.get(h)
+            if b is None:
+                break
+            blocks.append(b)
+            hashes.append(h)
+            parent = h
+        return blocks, hashes
+
+    def acquire(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if self.ref[b] == 0:
+                self.free.pop(b, None)
+            self.ref[b] += 1
+
+    def register(self, block: int, h: int) -> None:
+        """Record a newly filled block under its hash (first writer wins on duplicates)."""
+        if not self.enable_prefix_cache or h in self.cached:
+            return
+        self.cached[h] = block
+        self.hash_of[block] = h
+        if self.max_cached_blocks is not None and len(self.cached) > self.max_cached_blocks:
+            self._evict_cached_lru()
+
+    def _evict_cached_lru(self):
+        for b in self.free:
+            if self.hash_of[b] is not None:
+                self._unhash(b)
+                return
+
+    def _unhash(self, b: int) -> None:
+        h = self.hash_of[b]
+        if h is not None and self.cached.get(h) == b:
+            del self.cached[h]
+        self.hash_of[b] = None
+
+    # ---- allocation ----
+    def allocate(self, n: int) -> list[int] | None:
+        if n > len(self.free):
+            return None
+        out = []
+        for _ in range(n):
+            b, _ = self.free.popitem(last=False)
+            self._unhash(b)
+            self.ref[b] = 1
+            out.append(b)
+        return out
+
+    def release(self, blocks: list[int]) -> None:
+        # Tail blocks first into the LRU order: they are the least likely to be shared.
+        for b in reversed(blocks):
+            self.ref[b] -= 1
+            assert self.ref[b] >= 0, f"block {b} released twice"
+            if self.ref[b] == 0:
+                self.free[b] = None
+                if self.hash_of[b] is None:  # holds nothing reusable: hand it out first
+                    self.free.move_to_end(b, last=False)
+
+    def num_cached_blocks(self) -> int:
+        return len(self.cached)
+
+    def check_integrity(self) -> None:
+        """Invariants, for tests and idle-time checks."""
+        assert all(r >= 0 for r in self.ref)
+        assert set(self.free) == {b for b in range(self.num_blocks) if self.ref[b] == 0}
+        for h, b in self.cached.items():
+            assert self.hash_of[b] == h

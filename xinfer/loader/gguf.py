@@ -1,0 +1,377 @@
+"""GGUF (llama.cpp) checkpoints: an HF-style config, HF-named float32 tensors and a tokenizer.
+
+The file is memory-mapped by gguf.GGUFReader; tensors are dequantized one at a time, with
+what llama.cpp's convert_hf_to_gguf.py changed undone (llama Q/K row permutation, Gemma's
+norm offset), so they equal the original Hugging Face weights up to quantization error.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Iterator
+
+import numpy as np
+import torch
+from gguf import GGUFReader, TokenType
+from gguf.quants import dequantize
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+from xinfer.errors import ModelLoadError
+
+log = logging.getLogger("xinfer.loader.gguf")
+
+# general.architecture -> (HF class, HF model_type)
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+}
+
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # MoE router
+}
+# Gemma has four norms per layer; llama.cpp's ffn_norm is its pre-feedforward norm.
+_GEMMA3_BLOCK_TENSORS = {
+    **_BLOCK_TENSORS,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Stacked [n_expert, out, in] tensors, yielded one expert at a time.
+_EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
+
+_REQUIRED = object()
+
+
+class GGUFModel:
+    def __init__(self, path: str):
+        self.path = path
+        self._reader = _open_reader(path)
+        arch = self._meta("general.architecture")
+        if arch not in ARCHITECTURES:
+            raise ModelLoadError(f"GGUF file {path} has unsupported architecture {arch!r}; "
+                                 f"supported: {', '.join(ARCHITECTURES)}")
+        self.arch = arch
+        self.config = self._build_config()
+        self.bos_token_id = self._meta("tokenizer.ggml.bos_token_id", None)
+        self.eos_token_id = self._meta("tokenizer.ggml.eos_token_id", None)
+        self.chat_template = self._meta("tokenizer.chat_template", None)
+        self.add_bos_token = bool(self._meta("tokenizer.ggml.add_bos_token", self._default_add_bos()))
+        self.tokenizer = self._build_tokenizer()
+
+    # ---- metadata and config
+
+    def _meta(self, key: str, default=_REQUIRED):
+        field = self._reader.fields.get(key)
+        if field is None:
+            if default is _REQUIRED:
+                raise ModelLoadError(f"GGUF file {self.path} lacks metadata key {key!r}")
+            return default
+        return field.contents()
+
+    def _build_config(self) -> dict:
+        a = self.arch + "."
+        hf_class, model_type = ARCHITECTURES[self.arch]
+        name = f"{self._meta('general.name', '')} {self._meta('general.basename', '')}".lower()
+        if self.arch == "llama" and "mistral" in name:
+            # llama.cpp files Mistral models under the llama architecture.
+            hf_class, model_type = "MistralForCausalLM", "mistral"
+        hidden = self._meta(a + "embedding_length")
+        heads = self._meta(a + "attention.head_count")
+        tensor_names = {t.name for t in self._reader.tensors}
+        cfg = {
+            "architectures": [hf_class],
+            "model_type": model_type,
+            "hidden_size": hidden,
+            "intermediate_size": self._meta(a + "feed_forward_length", None),
+            "num_hidden_layers": self._meta(a + "block_count"),
+            "num_attention_heads": heads,
+            "num_key_value_heads": self._meta(a + "attention.head_count_kv", heads),
+            "head_dim": self._meta(a + "attention.key_length", hidden // heads),
+            "rms_norm_eps": self._meta(a + "attention.layer_norm_rms_epsilon", 1e-6),
+            "rope_theta": self._meta(a + "rope.freq_base", 10000.0),
+            "max_position_embeddings": self._meta(a + "context_length", 2048),
+            "vocab_size": self._meta(a + "vocab_size", None) or len(self._meta("tokenizer.ggml.tokens", [])),
+            "tie_word_embeddings": "output.weight" not in tensor_names,
+            "bos_token_id": self._meta("tokenizer.ggml.bos_token_id", None),
+            "eos_token_id": self._meta("tokenizer.ggml.eos_token_id", None),
+            "pad_token_id": self._meta("tokenizer.ggml.padding_token_id", None),
+            "hidden_act": "silu",
+            "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        }
+        scaling = self._meta(a + "rope.scaling.type", "none")
+        if scaling in ("linear", "yarn"):
+            cfg["rope_scaling"] = {"rope_type": scaling, "factor": self._meta(a + "rope.scaling.factor", 1.0)}
+            orig = self._meta(a + "rope.scaling.original_context_length", None)
+            if orig:
+                cfg["rope_scaling"]["original_max_position_embeddings"] = orig
+        if "rope_freqs.weight" in tensor_names:
+            log.warning("%s: per-dimension rope factors (rope_freqs.weight, Llama 3.1 style) are not applied",
+                        self.path)
+        if self.arch == "qwen3moe":
+            cfg.update(num_experts=self._meta(a + "expert_count"),
+                       num_experts_per_tok=self._meta(a + "expert_used_count"),
+                       moe_intermediate_size=self._meta(a + "expert_feed_forward_length"),
+                       # llama.cpp always renormalizes the top-k router weights for qwen3moe
+                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+        if self.arch == "gemma3":
+            n_layers = cfg["num_hidden_layers"]
+            # llama.cpp hard-codes these for gemma3: every 6th layer is global, local rope base 10000.
+            pattern = self._meta(a + "attention.sliding_window_pattern", 6)
+            cfg.update(
+                hidden_act="gelu_pytorch_tanh",
+                hidden_activation="gelu_pytorch_tanh",
+                sliding_window=self._meta(a + "attention.sliding_window", None),
+                sliding_window_pattern=pattern,
+                layer_types=["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                             for i in range(n_layers)],
+                rope_local_base_freq=10000.0,
+                # llama.cpp scales queries by 1/sqrt(head_dim), except 27B (62 layers): 1/sqrt(hidden/heads)
+                query_pre_attn_scalar=hidden // heads if n_layers == 62 else cfg["head_dim"],
+                final_logit_softcapping=self._meta(a + "final_logit_softcapping", None),
+                attn_logit_softcapping=self._meta(a + "attn_logit_softcapping", None),
+            )
+        return cfg
+
+    def _default_add_bos(self) -> bool:
+        # llama.cpp's defaults when the file does not say: SentencePiece vocabularies and Llama 3 add BOS.
+        if self._meta("tokenizer.ggml.model", None) == "llama":
+            return True
+        return self._meta("tokenizer.ggml.pre", None) in ("llama3", "llama-v3", "llama-bpe")
+
+    # ---- tensors
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        block_names = _GEMMA3_BLOCK_TENSORS if self.arch == "gemma3" else _BLOCK_TENSORS
+        for t in self._reader.tensors:
+            m = _BLOCK_RE.fullmatch(t.name)
+            if m and m[2] in _EXPERT_TENSORS:
+                shape = (int(t.shape[1]), int(t.shape[0]))
+                for e in range(t.data.shape[0]):
+                    name = f"model.layers.{m[1]}.mlp.experts.{e}.{_EXPERT_TENSORS[m[2]]}.{m[3]}"
+                    yield name, torch.from_numpy(self._dequantize(t, t.data[e], shape))
+                continue
+            if m and m[2] in block_names:
+                name = f"model.layers.{m[1]}.{block_names[m[2]]}.{m[3]}"
+            elif (g := _GLOBAL_RE.fullmatch(t.name)) and g[1] in _GLOBAL_TENSORS:
+                name = f"{_GLOBAL_TENSORS[g[1]]}.{g[2]}"
+            else:
+                log.debug("%s: skipping tensor %s", self.path, t.name)
+                continue
+            w = self._dequantize(t, t.data, tuple(int(d) for d in reversed(t.shape)))
+            if self.arch == "llama" and m and m[2] in ("attn_q", "attn_k"):
+                key = "num_attention_heads" if m[2] == "attn_q" else "num_key_value_heads"
+                w = unpermute_qk(w, self.config[key])
+            if self.arch == "gemma3" and t.name.endswith("norm.weight"):
+                w -= 1.0  # the converter stores Gemma's (1 + w) RMSNorm scale as w + 1
+            yield name, torch.from_numpy(w)
+
+    def _dequantize(self, t, data: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        try:
+            w = dequantize(data, t.tensor_type)
+        except NotImplementedError:
+            raise ModelLoadError(f"GGUF file {self.path}: tensor {t.name} has type {t.tensor_type.name}, "
+                                 "which cannot be dequantized") from None
+        w = w.reshape(shape).astype(np.float32, copy=False)
+        # F32 tensors come back as views of the read-only memory map.
+        return w.copy() if not w.flags.writeable else w
+
+    # ---- tokenizer
+
+    def _build_tokenizer(self) -> Tokenizer:
+        kind = self._meta("tokenizer.ggml.model")
+        tokens = self._meta("tokenizer.ggml.tokens")
+        types = self._meta("tokenizer.ggml.token_type", None) or [TokenType.NORMAL] * len(tokens)
+        if kind == "gpt2":
+            pre = self._meta("tokenizer.ggml.pre", "default")
+            tok = byte_level_tokenizer(tokens, self._meta("tokenizer.ggml.merges"), pre)
+        elif kind == "llama":
+            unk_id = self._meta("tokenizer.ggml.unknown_token_id", None)
+            unk = tokens[unk_id] if unk_id is not None else "<unk>"
+            tok = sentencepiece_tokenizer(tokens, self._meta("tokenizer.ggml.scores", None), unk,
+                                          gemma=self.arch.startswith("gemma"),
+                                          add_space_prefix=self._meta("tokenizer.ggml.add_space_prefix", True))
+        else:
+            raise ModelLoadError(f"GGUF file {self.path} has tokenizer model {kind!r}; supported: gpt2, llama")
+        add_special_tokens(tok, tokens, types, byte_level=kind == "gpt2")
+        add_eos = bool(self._meta("tokenizer.ggml.add_eos_token", False))
+        if (self.add_bos_token and self.bos_token_id is not None) or (add_eos and self.eos_token_id is not None):
+            bos = [tokens[self.bos_token_id]] if self.add_bos_token and self.bos_token_id is not None else []
+            eos = [tokens[self.eos_token_id]] if add_eos and self.eos_token_id is not None else []
+            ids = {t: i for t, i in ((tokens[self.bos_token_id], self.bos_token_id) if bos else (None, None),
+                                     (tokens[self.eos_token_id], self.eos_token_id) if eos else (None, None)) if t}
+            tok.post_processor = processors.TemplateProcessing(
+                single=" ".join(bos + ["$A"] + eos), pair=" ".join(bos + ["$A"] + eos + bos + ["$B"] + eos),
+                special_tokens=list(ids.items()))
+        return tok
+
+
+def load_gguf(path: str) -> GGUFModel:
+    return GGUFModel(path)
+
+
+def _open_reader(path: str) -> GGUFReader:
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelLoadError(f"cannot open GGUF file {path}: {e.strerror or e}") from None
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{path} is not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # the reader fails in many ways when the file ends early or is damaged
+        raise ModelLoadError(f"truncated or corrupt GGUF file {path} ({size} bytes): {e}") from None
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise ModelLoadError(f"truncated GGUF file {path}: tensor {t.name} ends at byte "
+                                 f"{t.data_offset + t.n_bytes} but the file has {size} bytes")
+    return reader
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's `permute` of llama Q/K rows (HF half-split rotary -> interleaved pairs)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf `permute` (used by tests to round-trip)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# ---- tokenizers
+
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_CJK = r"[一-龥ࠀ-一가-퟿]+"
+
+# tokenizer.ggml.pre -> regexes applied in turn (each splits the pieces of the previous one, keeping
+# matches and gaps), as in llama.cpp's llama-vocab.cpp; written in the tokenizer.json dialect.
+_PRE_SPLITS = {
+    **dict.fromkeys(["gpt2", "mpt", "olmo", "jais", "trillion", "granite-docling"], [_GPT2_SPLIT]),
+    **dict.fromkeys(["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"],
+                    [r"\p{N}", _GPT2_SPLIT]),
+    **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                     "dbrx", "smaug-bpe", "chatglm-bpe"], [_LLAMA3_SPLIT]),
+    **dict.fromkeys(["qwen2", "stablelm2", "hunyuan", "deepseek-r1-qwen", "megrez", "kormo"], [_QWEN2_SPLIT]),
+    **dict.fromkeys(["gpt-4o", "llama4", "minimax-m2", "kanana2"], [_GPT4O_SPLIT]),
+    "tekken": [_TEKKEN_SPLIT],
+    "falcon": [r"[\p{P}\$\+<=>\^~\|`]+", _GPT2_SPLIT, r"[0-9][0-9][0-9]"],
+    # llama.cpp spells the letter class out range by range; it is Unicode's cased letters.
+    "deepseek-llm": [r"[\r\n]", r"\s?[\p{Lu}\p{Ll}\p{Lt}]+", r"\s?[!-/:-~！-／：-～‘-‟　-。]+", r"\s+$", _CJK,
+                     r"\p{N}+"],
+    "deepseek-coder": [r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK, r"\p{N}"],
+    "deepseek-v3": [r"\p{N}{1,3}", r"[一-龥぀-ゟ゠-ヿ]+",
+                    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+                    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"],
+    **dict.fromkeys(["bloom", "poro-chat", "gpt3-finnish"], [r" ?[^(\s|.,!?…。，、।۔،)]+"]),
+}
+# llama.cpp looks a whole pre-token up in the vocabulary before merging for these.
+_IGNORE_MERGES = {"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "gpt-4o", "llama4", "tekken"}
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table used to spell byte-level BPE tokens."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs = list(bs)
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + len(cs) - len(bs) + len(bs) - 188 + 0 if False else 256 + (len(bs) - 189))
+    return dict(zip(bs, map(chr, cs)))
+
+
+def byte_level_tokenizer(tokens: list[str], merges: list[str], pre: str) -> Tokenizer:
+    spelling = bytes_to_unicode()
+    alphabet = set(spelling.values())
+    # Tokens are stored byte-level spelled, except some added ones stored as plain text.
+    vocab = {(t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode())): i
+             for i, t in enumerate(tokens)}
+    splits = _PRE_SPLITS.get(pre)
+    if splits is None:
+        log.warning("unknown GGUF pre-tokenizer %r; splitting text like GPT-2", pre)
+        splits = [_GPT2_SPLIT]
+    tok = Tokenizer(models.BPE(vocab, [tuple(m.split(" ", 1)) for m in merges], fuse_unk=False,
+                               ignore_merges=pre in _IGNORE_MERGES))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def sentencepiece_tokenizer(tokens: list[str], scores: list[float] | None, unk: str, gemma: bool,
+                            add_space_prefix: bool) -> Tokenizer:
+    """SentencePiece BPE with byte fallback, as a tokenizers BPE whose merges come from the scores."""
+    if gemma:
+        # Gemma files store whitespace-run tokens with real spaces, and their scores do not follow the
+        # merge order; the order of the tokens in the file does.
+        tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        scores = None
+    if scores is None:
+        scores = [-float(i) for i in range(len(tokens))]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab, merges_from_scores(vocab, dict(zip(tokens, scores))),
+                               unk_token=unk if unk in vocab else None, fuse_unk=True, byte_fallback=True))
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if gemma:
+        tok.normalizer = normalizers.Replace(" ", "▁")
+        tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement="▁", prepend_scheme="first" if add_space_prefix else "never", split=False)
+        if add_space_prefix:
+            steps.append(decoders.Strip(" ", 1, 0))
+    tok.decoder = decoders.Sequence(steps)
+    return tok
+
+
+def merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """Every split of a token into two vocabulary pieces, best-scoring token first."""
+    merges = []
+    for token, score in scores.items():
+        local = [(token[:i], token[i:], score) for i in range(1, len(token))
+                 if token[:i] in vocab and token[i:] in vocab]
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        merges += local
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def add_special_tokens(tok: Tokenizer, tokens: list[str], types: list[int], byte_level: bool) -> None:
+    """Control tokens become special tokens and user-defined ones added tokens, so each is matched
+    whole in the text (e.g. "<|im_start|>" is one id)."""
+    alphabet = set(bytes_to_unicode().values()) if byte_level else None
+    control = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types)
+               if ty == TokenType.CONTROL and (alphabet is None or set(t) <= alphabet)]
+    tok.add_special_tokens(control)
+    vocab = tok.get_vocab()
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types)
+                    if ty == TokenType.USER_DEFINED and t in vocab])

@@ -1,0 +1,155 @@
+"""Building blocks shared by the architectures.
+
+Every parameter carries its own `weight_loader(param, tensor, shard)` so fused weights
+(QKV, gate-up, stacked experts) load from checkpoint names without per-model code.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ops.attention import attend
+from ops.norm import RMSNorm
+from ops.rotary import RotaryEmbedding
+
+
+def default_loader(param: nn.Parameter, loaded: torch.Tensor, shard=None) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+def _param(*shape, loader=default_loader) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(*shape), requires_grad=False)
+    p.weight_loader = loader
+    return p
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b). `shards` names the row blocks of a fused weight, in order."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False, shards: list | None = None):
+        super().__init__()
+        self.shards = dict(zip(shards or [None], zip(_offsets(out_sizes), out_sizes)))
+        loader = self._load_shard if shards else default_loader
+        self.weight = _param(sum(out_sizes), in_features, loader=loader)
+        self.bias = _param(sum(out_sizes), loader=loader) if bias else None
+
+    def _load_shard(self, param, loaded, shard):
+        start, size = self.shards[shard]
+        default_loader(param.data.narrow(0, start, size), loaded)
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+def _offsets(sizes):
+    out, acc = [], 0
+    for s in sizes:
+        out.append(acc)
+        acc += s
+    return out
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab: int, dim: int):
+        super().__init__()
+        self.weight = _param(vocab, dim)
+
+    def forward(self, ids):
+        return F.embedding(ids, self.weight)
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, act: str = "silu", bias: bool = False):
+        super().__init__()
+        self.gate_up_proj = Linear(hidden, [inter, inter], bias=bias, shards=[0, 1])
+        self.down_proj = Linear(inter, [hidden], bias=bias)
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+class Attention(nn.Module):
+    """QKV projection, optional per-head q/k norms, rotary, paged attention, output projection."""
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, rotary: RotaryEmbedding,
+                 qkv_bias: bool = False, o_bias: bool = False, qk_norm_eps: float | None = None,
+                 norm_offset: float = 0.0, scale: float | None = None, sliding_window: int | None = None,
+                 softcap: float | None = None):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        q, kv = num_heads * head_dim, num_kv_heads * head_dim
+        self.qkv_proj = Linear(hidden, [q, kv, kv], bias=qkv_bias, shards=["q", "k", "v"])
+        self.o_proj = Linear(q, [hidden], bias=o_bias)
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps, norm_offset)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps, norm_offset)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary = rotary
+        self.scale = scale if scale is not None else head_dim ** -0.5
+        self.sliding_window = sliding_window
+        self.softcap = softcap
+        self.k_cache = self.v_cache = None  # bound by the model runner
+
+    def forward(self, positions, x):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(
+            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], -1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = attend(q, k, v, self.k_cache, self.v_cache, self.scale, self.sliding_window, self.softcap)
+        return self.o_proj(o.reshape(t, -1))
+
+
+# Checkpoint (HF) sub-names that load into a shard of a fused parameter.
+PACKED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def load_weights(model: nn.Module, weights, remap=None) -> set[str]:
+    """Load (name, tensor) pairs through each parameter's loader; returns the names loaded.
+    `remap(name) -> (param_name, shard) | None` lets a model handle its own names first."""
+    params = dict(model.named_parameters())
+    loaded = set()
+    for name, tensor in weights:
+        target = remap(name) if remap else None
+        if target is None:
+            target = (name, None)
+            for src, (dst, shard) in PACKED.items():
+                if f".{src}." in name:
+                    target = (name.replace(f".{src}.", f".{dst}."), shard)
+                    break
+        pname, shard = target
+        if pname not in params:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            raise KeyError(f"checkpoint tensor {name!r} has no matching parameter")
+        p = params[pname]
+        try:
+            getattr(p, "weight_loader", default_loader)(p, tensor.to(p.dtype), shard)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+        loaded.add(pname)
+    return loaded
+

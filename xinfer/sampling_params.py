@@ -1,0 +1,66 @@
+"""Per-request sampling parameters, validated once on the way in."""
+from __future__ import annotations
+
+import msgspec
+
+from xinfer.errors import InvalidRequestError
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    n: int = 1
+    max_tokens: int | None = 16  # None: up to the model's context length
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top alternatives per sampled token (0: just the chosen one)
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+        def bad(field, msg):
+            raise InvalidRequestError(f"{field} {msg}")
+
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", f"must be >= 1, got {self.n}")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            bad("max_tokens", f"must be >= 0, got {self.max_tokens}")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            bad("min_tokens", f"must be between 0 and max_tokens, got {self.min_tokens}")
+        if not 0.0 <= self.temperature <= 100.0:
+            bad("temperature", f"must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            bad("top_k", f"must be -1, 0 (off) or >= 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if vocab_size is not None:
+            for tid in list(self.stop_token_ids) + list((self.logit_bias or {}).keys()):
+                if not 0 <= int(tid) < vocab_size:
+                    bad("token id", f"{tid} is out of range for a vocabulary of {vocab_size}")
+        for v in (self.logit_bias or {}).values():
+            if not -100.0 <= v <= 100.0:
+                bad("logit_bias", f"values must be in [-100, 100], got {v}")
+        return self

@@ -1,0 +1,245 @@
+"""The scheduler: owns every sequence's state and decides each step's batch.
+
+There are no prefill or decode phases: each step, every running sequence's computed
+tokens catch up with its known tokens under one token budget, running sequences first,
+then waiting ones in arrival order. Long prompts are cut into chunks. When the KV cache
+runs out, the most recently admitted sequence is preempted: its blocks are freed and it
+is recomputed later from the tokens it already has, so no request fails on a full cache.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from xinfer.config import EngineConfig
+from xinfer.ipc.step import NewSeq, Scheduled, StepPlan, StepResult, pack_ids, unpack_ids
+from xinfer.kv_cache import BlockManager, block_hash
+from xinfer.sampling_params import SamplingParams
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int | None
+    max_tokens: int
+    arrival_time: float = field(default_factory=time.time)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    status: str = WAITING
+    num_computed: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_cached_tokens: int | None = None  # prefix-cache hits at first admission
+    on_worker: bool = False
+    finish_reason: str | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    children: list["Sequence"] = field(default_factory=list)  # n > 1 siblings waiting for the prompt
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, blocks: BlockManager, max_model_len: int, eos_ids: list[int]):
+        self.config = config
+        self.bm = blocks
+        self.max_model_len = max_model_len
+        self.eos_ids = set(eos_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.seqs: dict[int, Sequence] = {}
+        self._dropped: list[int] = []
+        self._step = 0
+        self.num_preemptions = 0
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence, siblings: list[Sequence] = ()) -> None:
+        self.seqs[seq.seq_id] = seq
+        for s in siblings:
+            self.seqs[s.seq_id] = s
+        seq.children = list(siblings)
+        self.waiting.append(seq)
+
+    def abort(self, seq_id: int, reason: str = "abort") -> Sequence | None:
+        seq = self.seqs.get(seq_id)
+        if seq is None or seq.status == FINISHED:
+            return None
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self._finish(seq, reason)
+        return seq
+
+    # ---- scheduling ----
+    def schedule(self) -> StepPlan:
+        budget = self.config.max_num_batched_tokens
+        chunk = self.config.prefill_chunk_size
+        scheduled: list[tuple[Sequence, int, list[int]]] = []
+        new_seqs: list[NewSeq] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed, chunk, budget)
+            new_blocks = self._grow(seq, n)
+            while new_blocks is None:  # out of blocks: preempt from the back until this one fits
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+                new_blocks = self._grow(seq, n)
+            if new_blocks is None:
+                break
+            scheduled.append((seq, n, new_blocks))
+            budget -= n
+            i += 1
+
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_ids:
+                self._match_prefix(seq)
+            n = min(seq.num_tokens - seq.num_computed, chunk, budget)
+            new_blocks = self._grow(seq, n)
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            seq.status = RUNNING
+            self.running.append(seq)
+            if not seq.on_worker:
+                seq.on_worker = True
+                new_seqs.append(NewSeq(seq.seq_id, pack_ids(seq.tokens), len(seq.prompt_ids), seq.num_computed,
+                                       list(seq.block_ids), seq.params, seq.seed))
+                new_blocks = []
+            scheduled.append((seq, n, new_blocks))
+            budget -= n
+
+        self._step += 1
+        plan = StepPlan(self._step, new_seqs, [Scheduled(s.seq_id, n, b) for s, n, b in scheduled], self._dropped)
+        self._dropped = []
+        self._inflight = scheduled
+        return plan
+
+    def _grow(self, seq: Sequence, n: int) -> list[int] | None:
+        """Blocks so that `n` more tokens fit; None when the cache can't give them."""
+        need = -(-(seq.num_computed + n) // self.bm.block_size) - len(seq.block_ids)
+        if need <= 0:
+            return []
+        got = self.bm.allocate(need)
+        if got is not None:
+            seq.block_ids.extend(got)
+        return got
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        blocks, hashes = self.bm.match_prefix(seq.tokens)
+        # Recompute at least the last token: its logits are what we sample from.
+        while blocks and len(blocks) * self.bm.block_size >= seq.num_tokens:
+            blocks.pop(), hashes.pop()
+        self.bm.acquire(blocks)
+        seq.block_ids, seq.block_hashes = list(blocks), list(hashes)
+        seq.num_computed = len(blocks) * self.bm.block_size
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = seq.num_computed
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.bm.release(seq.block_ids)
+        seq.block_ids, seq.block_hashes, seq.num_computed = [], [], 0
+        if seq.on_worker:
+            self._dropped.append(seq.seq_id)
+            seq.on_worker = False
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status == RUNNING:
+            self.running.remove(seq)
+        self._release(seq)
+        seq.status = FINISHED
+        seq.finish_reason = reason
+        seq.finish_time = time.time()
+        self.seqs.pop(seq.seq_id, None)
+        self._release_children(seq)
+
+    # ---- results ----
+    def update(self, result: StepResult) -> list[tuple[Sequence, int]]:
+        """Apply a step's sampled tokens; returns (sequence, new token) pairs in batch order."""
+        for seq, n, _ in self._inflight:
+            if seq.status == RUNNING:
+                seq.num_computed += n
+                self._register_full_blocks(seq)
+        self._inflight = []
+        now = time.time()
+        out = []
+        lps = result.logprobs or [None] * len(result.seq_ids)
+        for sid, tok, lp in zip(result.seq_ids, unpack_ids(result.token_ids), lps):
+            seq = self.seqs.get(sid)
+            if seq is None or seq.status != RUNNING:
+                continue  # aborted while the step ran
+            seq.output_ids.append(tok)
+            if lp is not None:
+                seq.logprobs.append(lp)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+                self._release_children(seq)
+            reason = self._stop_reason(seq, tok)
+            if reason:
+                self._finish(seq, reason)
+            out.append((seq, tok))
+        return out
+
+    def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
+        p = seq.params
+        n = len(seq.output_ids)
+        if n >= p.min_tokens:
+            if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+                return "stop"
+        if n >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        if not self.bm.enable_prefix_cache:
+            return
+        bs = self.bm.block_size
+        full = seq.num_computed // bs
+        toks = None
+        for i in range(len(seq.block_hashes), full):
+            toks = toks or seq.tokens
+            h = block_hash(seq.block_hashes[-1] if seq.block_hashes else None, toks[i * bs:(i + 1) * bs])
+            self.bm.register(seq.block_ids[i], h)
+            seq.block_hashes.append(h)
+
+    def _release_children(self, parent: Sequence) -> None:
+        """n > 1: siblings start once the prompt is in the cache, sharing its full blocks."""
+        if not parent.children:
+            return
+        bs = self.bm.block_size
+        k = (len(parent.prompt_ids) - 1) // bs if parent.status == RUNNING else 0
+        for child in reversed(parent.children):
+            if k:
+                child.block_ids = parent.block_ids[:k]
+                child.block_hashes = parent.block_hashes[:k]
+                self.bm.acquire(child.block_ids)
+                child.num_computed = k * bs
+                child.num_cached_tokens = k * bs
+            self.waiting.appendleft(child)
+        parent.children = []

@@ -1,0 +1,188 @@
+"""The model worker's core: owns the model and its KV cache, keeps the persistent batch,
+and turns each StepPlan into one forward pass and one batched sampling call."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ops.attention import AttnMetadata, get_backend, set_context
+from ops.sampling import SamplingBatch, sample
+from xinfer.config import EngineConfig
+from xinfer.ipc.step import StepPlan, StepResult, pack_ids, unpack_ids
+from xinfer.loader import ModelInfo, build_model
+from xinfer.sampling_params import SamplingParams
+
+log = logging.getLogger("xinfer.worker")
+
+
+@dataclass
+class WorkerSeq:
+    tokens: list[int]
+    num_prompt: int
+    num_computed: int
+    block_ids: list[int]
+    params: SamplingParams
+    seed: int | None
+
+
+def kv_bytes_per_token(cfg: dict, dtype: torch.dtype) -> int:
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
+def num_kv_blocks(config: EngineConfig, cfg: dict, dtype: torch.dtype, device: torch.device) -> int:
+    per_block = kv_bytes_per_token(cfg, dtype) * config.block_size
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = free * config.kv_fraction
+    else:
+        budget = config.kv_cache_gb * (1 << 30)
+    return max(int(budget // per_block), 1)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, info: ModelInfo, num_blocks: int):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        torch.manual_seed(config.seed)
+        cfg = dict(info.config, _max_positions=config.max_model_len)
+        self.model = build_model(dataclasses.replace(info, config=cfg), self.dtype, self.device)
+        self.vocab_size = cfg["vocab_size"]
+        self.eos_ids = info.eos_token_ids
+        self.backend = get_backend(config.attention_backend, self.device)
+        self.block_size = config.block_size
+        self.num_blocks = num_blocks
+        self._alloc_kv(cfg)
+        self.seqs: dict[int, WorkerSeq] = {}
+
+    def _alloc_kv(self, cfg):
+        layers = self.model.attention_layers()
+        a = layers[0]
+        shape = (self.num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
+        for layer in layers:
+            layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
+                 2 * len(layers) * np.prod(shape) * layers[0].k_cache.element_size() / (1 << 30))
+
+    # ---- the persistent batch ----
+    def _apply(self, plan: StepPlan):
+        for sid in plan.dropped:
+            self.seqs.pop(sid, None)
+        for ns in plan.new_seqs:
+            self.seqs[ns.seq_id] = WorkerSeq(unpack_ids(ns.token_ids), ns.num_prompt_tokens, ns.num_computed,
+                                             list(ns.block_ids), ns.params, ns.seed)
+        for s in plan.scheduled:
+            if s.new_block_ids:
+                self.seqs[s.seq_id].block_ids.extend(s.new_block_ids)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        self._apply(plan)
+        if not plan.scheduled:
+            return StepResult(plan.step_id, [], b"")
+        bs = self.block_size
+        ids, pos, slots, qlens, kvlens, tables, sample_rows, sample_seqs = [], [], [], [], [], [], [], []
+        for s in plan.scheduled:
+            ws = self.seqs[s.seq_id]
+            start, end = ws.num_computed, ws.num_computed + s.num_tokens
+            ids.extend(ws.tokens[start:end])
+            p = np.arange(start, end)
+            pos.append(p)
+            blocks = np.asarray(ws.block_ids, dtype=np.int64)
+            slots.append(blocks[p // bs] * bs + p % bs)
+            qlens.append(s.num_tokens)
+            kvlens.append(end)
+            tables.append(ws.block_ids)
+            if end == len(ws.tokens):  # caught up: this step yields the next token
+                sample_rows.append(len(ids) - 1)
+                sample_seqs.append(s.seq_id)
+        dev = self.device
+        width = max(len(t) for t in tables)
+        table = np.zeros((len(tables), width), dtype=np.int32)
+        for i, t in enumerate(tables):
+            table[i, :len(t)] = t
+        meta = AttnMetadata(
+            cu_seqlens_q=torch.tensor(np.cumsum([0] + qlens), dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(kvlens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(table).to(dev),
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            query_lens=qlens, kv_lens=kvlens, block_size=bs)
+        set_context(meta, self.backend)
+        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
+                            torch.from_numpy(np.concatenate(pos)).to(dev))
+        set_context(None)
+        for s in plan.scheduled:
+            self.seqs[s.seq_id].num_computed += s.num_tokens
+        if not sample_seqs:
+            return StepResult(plan.step_id, [], b"")
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
+        tokens, lps = sample(logits, self._sampling_batch([self.seqs[i] for i in sample_seqs]))
+        tokens = tokens.tolist()
+        for sid, t in zip(sample_seqs, tokens):
+            self.seqs[sid].tokens.append(t)
+        return StepResult(plan.step_id, sample_seqs, pack_ids(tokens), self._logprobs(sample_seqs, tokens, lps))
+
+    def _logprobs(self, seq_ids, tokens, lps):
+        if lps is None:
+            return []
+        chosen, top_ids, top_vals = (x.tolist() if x is not None else None for x in lps)
+        out = []
+        for i, sid in enumerate(seq_ids):
+            k = self.seqs[sid].params.logprobs
+            if k is None:
+                out.append(None)
+            else:
+                alts = list(zip(top_ids[i][:k], top_vals[i][:k])) if k and top_ids else []
+                out.append((chosen[i], alts))
+        return out
+
+    def _sampling_batch(self, seqs: list[WorkerSeq]) -> SamplingBatch:
+        dev, V = self.device, self.vocab_size
+        ps = [s.params for s in seqs]
+
+        def col(values, dtype=torch.float32, off=None):
+            if off is not None and all(v == off for v in values):
+                return None
+            return torch.tensor(values, dtype=dtype, device=dev)
+
+        def padded(lists):
+            width = max(1, max(len(x) for x in lists))
+            arr = np.full((len(lists), width), V, dtype=np.int64)
+            for i, x in enumerate(lists):
+                arr[i, :len(x)] = x
+            return torch.from_numpy(arr).to(dev)
+
+        outputs = [s.tokens[s.num_prompt:] for s in seqs]
+        rep = col([p.repetition_penalty for p in ps], off=1.0)
+        pres = col([p.presence_penalty for p in ps], off=0.0)
+        freq = col([p.frequency_penalty for p in ps], off=0.0)
+        bias_rows, bias_ids, bias_vals, ban_rows, ban_ids, seeds = [], [], [], [], [], []
+        for i, (s, p, out) in enumerate(zip(seqs, ps, outputs)):
+            for tid, v in (p.logit_bias or {}).items():
+                bias_rows.append(i), bias_ids.append(int(tid)), bias_vals.append(float(v))
+            if len(out) < p.min_tokens:
+                for tid in set(([] if p.ignore_eos else self.eos_ids) + list(p.stop_token_ids)):
+                    ban_rows.append(i), ban_ids.append(tid)
+            if s.seed is not None:
+                # the noise for output position k depends only on (seed, k)
+                seeds.append((i, s.seed * 1_000_003 + len(out)))
+        top_k = [p.top_k if p.top_k > 0 else V for p in ps]
+        return SamplingBatch(
+            temperature=torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev),
+            top_k=col(top_k, torch.long, off=V), top_p=col([p.top_p for p in ps], off=1.0),
+            min_p=col([p.min_p for p in ps], off=0.0),
+            repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq,
+            output_ids=padded(outputs) if (rep is not None or pres is not None or freq is not None) else None,
+            prompt_ids=padded([s.tokens[:s.num_prompt] for s in seqs]) if rep is not None else None,
+            bias=(torch.tensor(bias_rows, device=dev), torch.tensor(bias_ids, device=dev),
+                  torch.tensor(bias_vals, device=dev)) if bias_rows else None,
+            banned=(torch.tensor(ban_rows, device=dev), torch.tensor(ban_ids, device=dev)) if ban_rows else None,
+            seeds=seeds, all_greedy=all(p.greedy for p in ps),
+            num_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=None))
