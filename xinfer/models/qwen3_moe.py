@@ -30,13 +30,17 @@ class Experts(nn.Module):
         default_loader(param.data[expert].narrow(0, *rows), loaded)
 
 
+def num_experts(cfg: dict) -> int:
+    return cfg.get("num_experts") or cfg.get("num_local_experts") or 0  # transformers 5 renamed it
+
+
 class SparseMoe(nn.Module):
     def __init__(self, cfg: dict):
         super().__init__()
         self.top_k, self.norm_topk = cfg["num_experts_per_tok"], cfg.get("norm_topk_prob", True)
         self.gate = nn.Module()
-        self.gate.weight = _param(cfg["num_experts"], cfg["hidden_size"])
-        self.experts = Experts(cfg["num_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"])
+        self.gate.weight = _param(num_experts(cfg), cfg["hidden_size"])
+        self.experts = Experts(num_experts(cfg), cfg["hidden_size"], cfg["moe_intermediate_size"])
 
     def forward(self, x):
         probs = torch.softmax(F.linear(x, self.gate.weight).float(), dim=-1)
@@ -59,7 +63,7 @@ _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     def make_mlp(self, cfg, idx):
-        sparse = (idx not in cfg.get("mlp_only_layers", []) and cfg.get("num_experts", 0) > 0
+        sparse = (idx not in cfg.get("mlp_only_layers", []) and num_experts(cfg) > 0
                   and (idx + 1) % cfg.get("decoder_sparse_step", 1) == 0)
         if sparse:
             return SparseMoe(cfg)

@@ -1,0 +1,98 @@
+"""The `xinfer` command line."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import time
+
+from xinfer.config import EngineConfig
+from xinfer.errors import XinferError
+
+
+def setup_logging(level: str = "info", name: str = "xinfer") -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s", datefmt="%H:%M:%S")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field, --like-this; --m is short for --model."""
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        names = [flag, "--m"] if f.name == "model" else [flag]
+        if f.name == "enable_prefix_cache":
+            p.add_argument("--disable-prefix-cache", dest="enable_prefix_cache", action="store_false",
+                           help="turn off prefix caching (on by default)")
+            continue
+        t = str(f.type)  # annotations are strings here: "int", "float | None", ...
+        kind = int if t.startswith("int") else float if t.startswith("float") else str
+        p.add_argument(*names, dest=f.name, type=kind, default=f.default, help=f"(default: {f.default})")
+
+
+def engine_config(args) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+
+
+def cmd_generate(args) -> int:
+    from xinfer import Engine, SamplingParams
+
+    engine = Engine(engine_config(args))
+    prompts = [p for p in args.prompts.split("|")] if args.prompts else ["Hello"]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed_sampling, ignore_eos=args.batch is not None)
+    tok = engine.tokenizer
+    use_chat = not args.no_chat and tok is not None and tok.chat_template
+    if use_chat:
+        prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+    if args.batch is None:
+        for i, out in enumerate(engine.generate(prompts, params)):
+            print(f"--- [{i}] ({len(out.token_ids)} tokens, {out.finish_reason})")
+            print(out.text)
+        return 0
+    # Throughput mode: the first prompt N times, exact output lengths.
+    batch = [prompts[0]] * args.batch
+    t0 = time.perf_counter()
+    outs = engine.generate(batch, params)
+    t1 = time.perf_counter()
+    first = max(o.first_token_time for o in outs) - min(o.queued_time for o in outs)
+    n_prompt = sum(len(o.prompt_token_ids) for o in outs)
+    n_out = sum(len(o.token_ids) for o in outs)
+    decode_s = max(t1 - t0 - first, 1e-9)
+    print(f"batch {args.batch}: {n_prompt} prompt tokens, {n_out} generated tokens in {t1 - t0:.2f}s")
+    print(f"prefill {n_prompt / max(first, 1e-9):.1f} tok/s, decode {(n_out - len(outs)) / decode_s:.1f} tok/s, "
+          f"overall output {n_out / (t1 - t0):.1f} tok/s")
+    print(f"sample: {outs[0].text[:200]!r}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="xinfer", description="LLM inference engine")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text offline (no server)")
+    add_engine_args(g)
+    g.add_argument("--prompts", help="prompts separated by '|'")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed-sampling", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--batch", type=int, default=None, help="throughput mode: run the first prompt N times")
+    g.add_argument("--no-chat", action="store_true", help="send prompts raw, without the chat template")
+    g.set_defaults(func=cmd_generate)
+
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        return args.func(args)
+    except (XinferError, ValueError, FileNotFoundError) as e:
+        print(f"xinfer: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
