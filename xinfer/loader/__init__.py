@@ -48,7 +48,7 @@ def load_model_info(model: str | None, load_format: str = "auto") -> ModelInfo:
         from xinfer.loader.gguf import load_gguf
 
         g = load_gguf(path)
-        eos = _as_list(g.eos_token_id)
+        eos = list(g.eog_token_ids)  # every end-of-generation token, e.g. Gemma's <end_of_turn>
         tok = Tokenizer(g.tokenizer, g.chat_template, g.bos_token_id, eos, add_bos=g.add_bos_token)
         return ModelInfo("gguf", path, g.config, {}, tok, gguf=g)
     cfg = hf.load_config(path)

@@ -57,6 +57,9 @@ _EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
 
+# From llama.cpp's llama-vocab.cpp, which treats these as end of generation whatever the file says.
+_END_OF_TURN_TOKENS = {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+                       "<EOT>", "<end_of_utterance>", "<|return|>", "<|call|>"}
 _REQUIRED = object()
 
 
@@ -75,6 +78,7 @@ class GGUFModel:
         self.chat_template = self._meta("tokenizer.chat_template", None)
         self.add_bos_token = bool(self._meta("tokenizer.ggml.add_bos_token", self._default_add_bos()))
         self.tokenizer = self._build_tokenizer()
+        self.eog_token_ids = self._end_of_generation_ids()
 
     # ---- metadata and config
 
@@ -95,7 +99,10 @@ class GGUFModel:
             hf_class, model_type = "MistralForCausalLM", "mistral"
         hidden = self._meta(a + "embedding_length")
         heads = self._meta(a + "attention.head_count")
-        tensor_names = {t.name for t in self._reader.tensors}
+        tensors = {t.name: t for t in self._reader.tensors}
+        tensor_names = set(tensors)
+        q = tensors.get("blk.0.attn_q.weight")
+        head_dim = int(q.shape[1]) // heads if q is not None else hidden // heads
         cfg = {
             "architectures": [hf_class],
             "model_type": model_type,
@@ -104,7 +111,7 @@ class GGUFModel:
             "num_hidden_layers": self._meta(a + "block_count"),
             "num_attention_heads": heads,
             "num_key_value_heads": self._meta(a + "attention.head_count_kv", heads),
-            "head_dim": self._meta(a + "attention.key_length", hidden // heads),
+            "head_dim": self._meta(a + "attention.key_length", head_dim),
             "rms_norm_eps": self._meta(a + "attention.layer_norm_rms_epsilon", 1e-6),
             "rope_theta": self._meta(a + "rope.freq_base", 10000.0),
             "max_position_embeddings": self._meta(a + "context_length", 2048),
@@ -123,8 +130,7 @@ class GGUFModel:
             if orig:
                 cfg["rope_scaling"]["original_max_position_embeddings"] = orig
         if "rope_freqs.weight" in tensor_names:
-            log.warning("%s: per-dimension rope factors (rope_freqs.weight, Llama 3.1 style) are not applied",
-                        self.path)
+            cfg["rope_scaling"] = self._llama3_rope_scaling(tensors["rope_freqs.weight"], cfg)
         if self.arch == "qwen3moe":
             cfg.update(num_experts=self._meta(a + "expert_count"),
                        num_experts_per_tok=self._meta(a + "expert_used_count"),
@@ -150,11 +156,30 @@ class GGUFModel:
             )
         return cfg
 
+    def _llama3_rope_scaling(self, t, cfg: dict) -> dict | None:
+        """Llama 3.1+ files hold the per-frequency rope divisors, not the HF rope_scaling that made them.
+        Recover it, assuming Meta's low/high frequency factors and original context (all Llama 3 releases)."""
+        freqs = self._dequantize(t, t.data, (int(t.n_elements),))
+        scaling = {"rope_type": "llama3", "factor": float(freqs.max()), "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        if np.allclose(llama3_rope_factors(cfg["rope_theta"], cfg["head_dim"], scaling), freqs, rtol=1e-4):
+            return scaling
+        log.warning("%s: rope_freqs.weight does not match Llama 3 rope scaling; ignoring it", self.path)
+        return None
+
     def _default_add_bos(self) -> bool:
         # llama.cpp's defaults when the file does not say: SentencePiece vocabularies and Llama 3 add BOS.
         if self._meta("tokenizer.ggml.model", None) == "llama":
             return True
         return self._meta("tokenizer.ggml.pre", None) in ("llama3", "llama-v3", "llama-bpe")
+
+    def _end_of_generation_ids(self) -> list[int]:
+        """EOS plus the end-of-turn tokens llama.cpp also stops on: the ones the file names, and
+        control tokens spelled like a known end of turn (Gemma 3 files name only <eos>)."""
+        ids = [self._meta(f"tokenizer.ggml.{k}_token_id", None) for k in ("eos", "eot", "eom")]
+        tokens = self._meta("tokenizer.ggml.tokens")
+        ids += [i for i, t in enumerate(tokens) if t in _END_OF_TURN_TOKENS]
+        return list(dict.fromkeys(i for i in ids if i is not None))
 
     # ---- tensors
 
@@ -272,6 +297,17 @@ def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def llama3_rope_factors(theta: float, head_dim: int, scaling: dict) -> np.ndarray:
+    """The rope_freqs.weight llama.cpp's converter writes for an HF "llama3" rope_scaling."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / inv_freq
+    factor, old_ctx = scaling["factor"], scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    mid = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < old_ctx / high, 1.0, np.where(wavelen > old_ctx / low, factor, mid))
+
+
 # ---- tokenizers
 
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -282,8 +318,10 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
 _TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
                  r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
                  r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
                 r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _CJK = r"[一-龥ࠀ-一가-퟿]+"
 
