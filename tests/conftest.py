@@ -33,3 +33,16 @@ def smollm_hf(smollm_path):
     from transformers import AutoModelForCausalLM
     d, f = os.path.split(smollm_path)
     return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory):
+    """A tiny random Llama saved by transformers (config, safetensors, generation config)."""
+    import transformers as tf
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         eos_token_id=1)
+    path = tmp_path_factory.mktemp("tiny_llama")
+    tf.LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)

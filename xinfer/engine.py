@@ -67,12 +67,13 @@ class Engine:
         self._meta: dict[int, tuple[int, str]] = {}  # seq id -> (choice index, request id)
         self._cached: dict[int, int] = {}
         self._zero: list[Sequence] = []  # max_tokens=0 requests: finished without running
+        self.default_params = default_sampling_params(self.info.generation_config)
 
     # ---- requests ----
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> list[int]:
         """Validate and queue one request; returns the seq ids of its n choices."""
-        params = (params or SamplingParams()).validate(self.vocab_size)
+        params = (params or self.default_params).validate(self.vocab_size)
         ids = self._prompt_ids(prompt)
         if not ids:
             raise InvalidRequestError("prompt is empty")
@@ -191,10 +192,20 @@ class Engine:
                              seq.logprobs if seq.params.logprobs is not None else None,
                              seq.arrival_time, seq.first_token_time, seq.finish_time)
 
-    @staticmethod
-    def _params_list(params, n):
+    def _params_list(self, params, n):
         if isinstance(params, list):
             if len(params) != n:
                 raise InvalidRequestError(f"{len(params)} sampling params for {n} prompts")
             return params
-        return [params or SamplingParams()] * n
+        return [params or self.default_params] * n
+
+
+def default_sampling_params(generation_config: dict) -> SamplingParams:
+    """The model's generation_config.json sets the defaults a request doesn't override."""
+    keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+    kwargs = {k: generation_config[k] for k in keys if generation_config.get(k) is not None}
+    if generation_config.get("do_sample") is False:
+        kwargs["temperature"] = 0.0
+    if generation_config.get("max_new_tokens"):
+        kwargs["max_tokens"] = generation_config["max_new_tokens"]
+    return SamplingParams(**kwargs)

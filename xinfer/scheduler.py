@@ -110,11 +110,15 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not seq.block_ids:
+            matched = not seq.block_ids
+            if matched:
                 self._match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed, chunk, budget)
             new_blocks = self._grow(seq, n)
             if new_blocks is None:
+                if matched:  # a waiting sequence holds no blocks: give the prefix back
+                    self.bm.release(seq.block_ids)
+                    seq.block_ids, seq.block_hashes, seq.num_computed = [], [], 0
                 break
             self.waiting.popleft()
             seq.status = RUNNING

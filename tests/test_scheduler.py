@@ -1,0 +1,117 @@
+"""Block manager and scheduler invariants, without a model."""
+from xinfer.config import EngineConfig
+from xinfer.ipc.step import StepResult, pack_ids
+from xinfer.kv_cache import BlockManager
+from xinfer.sampling_params import SamplingParams
+from xinfer.scheduler import Scheduler, Sequence
+
+
+def seq(i, n_prompt, max_tokens=4, **kw):
+    return Sequence(i, f"r{i}", list(range(100 + i, 100 + i + n_prompt)), SamplingParams(**kw), None, max_tokens)
+
+
+def make(num_blocks=16, bs=4, **kw):
+    cfg = EngineConfig(block_size=bs, device="cpu", **kw)
+    return Scheduler(cfg, BlockManager(num_blocks, bs, cfg.enable_prefix_cache), 1000, [0])
+
+
+def run_step(s, token=7):
+    plan = s.schedule()
+    done = [x.seq_id for x in plan.scheduled if s.seqs[x.seq_id].num_computed + x.num_tokens
+            == s.seqs[x.seq_id].num_tokens]
+    s.update(StepResult(plan.step_id, done, pack_ids([token] * len(done))))
+    return plan
+
+
+def test_chunked_prefill_respects_budget_and_chunk():
+    s = make(num_blocks=64, max_num_batched_tokens=10, prefill_chunk_size=6)
+    s.add(seq(1, 20))
+    s.add(seq(2, 3))
+    plan = s.schedule()
+    assert [(x.seq_id, x.num_tokens) for x in plan.scheduled] == [(1, 6), (2, 3)]
+    assert sum(x.num_tokens for x in plan.scheduled) <= 10
+
+
+def test_prefix_cache_hit_and_last_block_recomputed():
+    s = make()
+    a = seq(1, 12)
+    s.add(a)
+    while a.status != "finished":
+        run_step(s)
+    b = Sequence(2, "r2", list(a.prompt_ids), SamplingParams(), None, 2)
+    s.add(b)
+    plan = s.schedule()
+    # 12 tokens = 3 full blocks; all cached, but the last block is recomputed for logits
+    assert b.num_cached_tokens == 8
+    assert plan.new_seqs[0].num_computed == 8 and plan.scheduled[0].num_tokens == 4
+
+
+def test_lru_eviction_keeps_integrity():
+    s = make(num_blocks=6)
+    for i in range(8):
+        q = seq(i, 9, max_tokens=2)
+        s.add(q)
+        while s.has_work():
+            run_step(s)
+        s.bm.check_integrity()
+    assert s.bm.num_free == 6
+
+
+def test_preemption_by_recompute():
+    s = make(num_blocks=5, bs=4)
+    a, b = seq(1, 7, max_tokens=8), seq(2, 7, max_tokens=8)
+    s.add(a)
+    s.add(b)
+    steps = 0
+    while s.has_work():
+        run_step(s)
+        s.bm.check_integrity()
+        steps += 1
+        assert steps < 200
+    assert s.num_preemptions > 0
+    assert len(a.output_ids) == 8 and len(b.output_ids) == 8
+    assert s.bm.num_free == 5
+
+
+def test_stop_conditions():
+    s = make()
+    a = seq(1, 3, max_tokens=10, min_tokens=2)
+    s.add(a)
+    run_step(s, token=0)  # EOS before min_tokens: ignored
+    run_step(s, token=0)
+    assert a.finish_reason == "stop" and len(a.output_ids) == 2
+    b = seq(2, 3, max_tokens=10, stop_token_ids=[9])
+    s.add(b)
+    run_step(s, token=9)
+    assert b.finish_reason == "stop"
+    c = seq(3, 3, max_tokens=10, ignore_eos=True)
+    s.add(c)
+    run_step(s, token=0)
+    assert c.status == "running"
+
+
+def test_n_siblings_share_prompt_blocks():
+    s = make(num_blocks=32)
+    parent, kids = seq(1, 10, max_tokens=3), [seq(2, 10, max_tokens=3), seq(3, 10, max_tokens=3)]
+    for k in kids:
+        k.prompt_ids = list(parent.prompt_ids)
+    s.add(parent, kids)
+    run_step(s)  # parent computes its prompt and samples; siblings are released
+    assert all(k.num_computed == 8 for k in kids)  # 2 full blocks shared, the tail recomputed
+    shared = parent.block_ids[:2]
+    assert all(k.block_ids[:2] == shared for k in kids)
+    assert all(s.bm.ref[b] == 3 for b in shared)
+    while s.has_work():
+        run_step(s)
+    assert s.bm.num_free == 32
+
+
+def test_abort_frees_blocks():
+    s = make()
+    a = seq(1, 10)
+    s.add(a)
+    run_step(s)
+    s.abort(1)
+    assert a.finish_reason == "abort" and s.bm.num_free == 16
+    plan = s.schedule()
+    assert plan.dropped == [1]
