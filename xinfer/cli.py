@@ -66,6 +66,13 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from xinfer.api.server import serve
+
+    serve(engine_config(args), args.host, args.port, args.log_level)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="xinfer", description="LLM inference engine")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -82,6 +89,12 @@ def main(argv=None) -> int:
     g.add_argument("--batch", type=int, default=None, help="throughput mode: run the first prompt N times")
     g.add_argument("--no-chat", action="store_true", help="send prompts raw, without the chat template")
     g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="start the OpenAI-compatible server with the web chat page")
+    add_engine_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.set_defaults(func=cmd_serve)
 
     args = parser.parse_args(argv)
     setup_logging(args.log_level)

@@ -118,18 +118,29 @@ class Engine:
 
     def abort(self, seq_id: int) -> None:
         self.scheduler.abort(seq_id)
+        self._forget(seq_id)
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort every choice of a request (a client went away); frees their KV blocks now."""
+        for sid in [sid for sid, (_, rid) in self._meta.items() if rid == request_id]:
+            self.abort(sid)
+
+    def _forget(self, seq_id: int) -> None:
+        self._detok.pop(seq_id, None)
+        self._meta.pop(seq_id, None)
 
     # ---- the loop ----
     def step(self) -> list[Delta]:
         """Run one scheduler step; returns the deltas it produced."""
         deltas = [self._delta(s, [], s.finish_reason) for s in self._zero]
+        for s in self._zero:
+            self._forget(s.seq_id)
         self._zero = []
         if not self.scheduler.has_work():
             return deltas
         plan = self.scheduler.schedule()
         result = self.runner.execute(plan)
         for seq, tok in self.scheduler.update(result):
-            self._cached.setdefault(seq.seq_id, seq.num_cached_tokens or 0)
             reason = seq.finish_reason
             text = ""
             det = self._detok.get(seq.seq_id)
@@ -141,6 +152,11 @@ class Engine:
                 if reason:
                     text += det.flush()
             deltas.append(Delta(seq.seq_id, seq.request_id, self._meta[seq.seq_id][0], [tok], text, reason))
+            if reason:
+                self._cached[seq.seq_id] = seq.num_cached_tokens or 0
+                if len(self._cached) > 4096:  # bounded: a server runs forever
+                    self._cached.pop(next(iter(self._cached)))
+                self._forget(seq.seq_id)
         return deltas
 
     def _delta(self, seq, toks, reason):
@@ -150,6 +166,9 @@ class Engine:
         return self.scheduler.has_work() or bool(self._zero)
 
     def get_num_cached_tokens_for_seq(self, seq_id: int) -> int:
+        seq = self.scheduler.seqs.get(seq_id)
+        if seq is not None:
+            return seq.num_cached_tokens or 0
         return self._cached.get(seq_id, 0)
 
     # ---- offline API ----
@@ -185,8 +204,6 @@ class Engine:
         return self.generate(prompts, params)
 
     def _output(self, seq: Sequence, text: str) -> RequestOutput:
-        self._detok.pop(seq.seq_id, None)
-        self._meta.pop(seq.seq_id, None)
         return RequestOutput(seq.seq_id, seq.request_id, seq.prompt_ids, list(seq.output_ids), text,
                              seq.finish_reason, seq.num_cached_tokens or 0,
                              seq.logprobs if seq.params.logprobs is not None else None,

@@ -1,0 +1,116 @@
+"""`xinfer serve` end to end: the API process, the engine core process, the openai client."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "xinfer.cli", "--log-level", "warning", "serve",
+                             "--port", str(port), "--kv-cache-gb", "0.2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    saw_503 = False
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except urllib.error.HTTPError as e:
+            saw_503 |= e.code == 503
+        except OSError:
+            pass
+        if proc.poll() is not None:
+            pytest.fail("server exited: " + proc.stdout.read())
+        time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("server did not become healthy")
+    yield base, saw_503
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def post(base, path, body):
+    req = urllib.request.Request(base + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_chat_with_openai_client(server):
+    from openai import OpenAI
+    base, _ = server
+    client = OpenAI(base_url=base + "/v1", api_key="none")
+    model = client.models.list().data[0].id
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "What is 2+2?"}],
+                                       max_tokens=16, temperature=0)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens > 0 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "What is 2+2?"}],
+                                            max_tokens=16, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == r.choices[0].message.content  # same greedy answer streamed
+    assert sum(1 for c in chunks if c.choices and c.choices[0].finish_reason) == 1
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_completions_and_models(server):
+    base, _ = server
+    status, body = post(base, "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 5,
+                                                   "temperature": 0})
+    assert status == 200 and body["object"] == "text_completion" and body["usage"]["completion_tokens"] == 5
+    with urllib.request.urlopen(base + "/v1/models") as r:
+        assert json.loads(r.read())["data"][0]["object"] == "model"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_p": 2}, "top_p"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10 ** 6}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+])
+def test_bad_requests_get_openai_errors(server, body, param):
+    base, _ = server
+    status, err = post(base, "/v1/chat/completions", body)
+    assert status == 400 and err["error"]["param"] == param and err["error"]["message"]
+    assert set(err["error"]) == {"message", "type", "param", "code"}
+    status, ok = post(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                      "max_tokens": 2})
+    assert status == 200  # the server still serves
+
+
+def test_web_page_and_health(server):
+    base, _ = server
+    with urllib.request.urlopen(base + "/") as r:
+        assert r.status == 200 and b"xinfer chat" in r.read()
+    with urllib.request.urlopen(base + "/health") as r:
+        assert r.status == 200

@@ -1,0 +1,272 @@
+"""The API process: Sanic on uvloop. Validates requests, renders chat templates and tokenizes
+(in a thread pool, never on the event loop), talks to the engine core over ZMQ and streams."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+from sanic import Sanic, response
+from sanic.exceptions import SanicException
+
+from xinfer.api.protocol import (ApiError, chat_prompt, completion_prompts, parse_body, sampling_params,
+                                 usage)
+from xinfer.config import EngineConfig
+from xinfer.engine_core import run_engine_core
+from xinfer.errors import InvalidRequestError
+from xinfer.ipc.api import Abort, FromEngine, GenerateRequest, Outputs, Ready, RequestError, ToEngine
+from xinfer.ipc.channels import Codec, endpoint, runtime_dir, socket
+from xinfer.ipc.step import pack_ids, unpack_ids
+from xinfer.loader import load_model_info
+
+log = logging.getLogger("xinfer.api")
+WEB_PAGE = Path(__file__).parent / "web" / "index.html"
+
+
+class EngineClient:
+    """The API side of the engine core: one queue per in-flight request."""
+
+    def __init__(self, config: EngineConfig, log_level: str):
+        self.config = config
+        self.rundir = runtime_dir()
+        self.ctx = zmq.asyncio.Context()
+        in_addr, out_addr = endpoint(self.rundir, "to_engine"), endpoint(self.rundir, "from_engine")
+        self.push = socket(self.ctx, zmq.PUSH, in_addr, bind=True)
+        self.pull = socket(self.ctx, zmq.PULL, out_addr, bind=True)
+        self.tx, self.rx = Codec(ToEngine), Codec(FromEngine)
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.ready: Ready | None = None
+        self.dead = False
+        self.proc = mp.get_context("spawn").Process(target=run_engine_core, name="xinfer::engine", daemon=True,
+                                                    args=(config, in_addr, out_addr, log_level))
+        self.proc.start()
+
+    async def pump(self):
+        """Route engine outputs to their requests; notice an engine that died."""
+        while True:
+            if await self.pull.poll(1000):
+                msg = self.rx.decode(await self.pull.recv())
+                if isinstance(msg, Outputs):
+                    for o in msg.items:
+                        q = self.queues.get(o.request_id)
+                        if q is not None:
+                            q.put_nowait(o)
+                elif isinstance(msg, RequestError):
+                    q = self.queues.get(msg.request_id)
+                    if q is not None:
+                        q.put_nowait(InvalidRequestError(msg.message))
+                elif isinstance(msg, Ready):
+                    self.ready = msg
+                    log.info("engine ready: %s, max_model_len %d", msg.model, msg.max_model_len)
+            elif not self.proc.is_alive() and not self.dead:
+                self.dead = True
+                log.error("engine core exited with code %s", self.proc.exitcode)
+                for q in self.queues.values():
+                    q.put_nowait(RuntimeError("the engine stopped"))
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params):
+        """Yield the engine's Outputs for one request until all its choices finish."""
+        if self.dead:
+            raise RuntimeError("the engine stopped")
+        q: asyncio.Queue = asyncio.Queue()
+        self.queues[request_id] = q
+        remaining = params.n
+        try:
+            await self.push.send(self.tx.encode(GenerateRequest(request_id, pack_ids(prompt_ids), params)))
+            while remaining:
+                item = await q.get()
+                if isinstance(item, Exception):
+                    raise item
+                if item.finish_reason:
+                    remaining -= 1
+                yield item
+        finally:
+            self.queues.pop(request_id, None)
+            if remaining:  # the client went away (or an error): free the request's KV blocks now
+                await self.push.send(self.tx.encode(Abort(request_id)))
+
+    def close(self):
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(5)
+        shutil.rmtree(self.rundir, ignore_errors=True)
+
+
+def create_app(config: EngineConfig, log_level: str = "info") -> Sanic:
+    app = Sanic("xinfer")
+    app.config.RESPONSE_TIMEOUT = 3600
+    app.config.KEEP_ALIVE_TIMEOUT = 75
+    info = load_model_info(config.model, config.load_format)  # tokenizer and config only, no weights
+    tok = info.tokenizer
+    model_name = info.name
+    ctx_len = info.config.get("max_position_embeddings") or 4096
+    max_model_len = config.max_model_len or min(ctx_len, 4096)
+    config.max_model_len = max_model_len
+
+    @app.before_server_start
+    async def start(app, _):
+        app.ctx.client = EngineClient(config, log_level)
+        app.ctx.pump = asyncio.get_running_loop().create_task(app.ctx.client.pump())
+
+    @app.after_server_stop
+    async def stop(app, _):
+        app.ctx.pump.cancel()
+        app.ctx.client.close()
+
+    @app.exception(ApiError)
+    async def api_error(request, e: ApiError):
+        return response.json(e.body(), status=e.status)
+
+    @app.exception(InvalidRequestError)
+    async def invalid(request, e):
+        return response.json(ApiError(str(e)).body(), status=400)
+
+    @app.exception(SanicException)
+    async def sanic_error(request, e):
+        status = getattr(e, "status_code", 500)
+        return response.json(ApiError(str(e), status=status, kind="invalid_request_error"
+                                      if status < 500 else "server_error").body(), status=status)
+
+    @app.get("/")
+    async def index(request):
+        return await response.file(WEB_PAGE, mime_type="text/html")
+
+    @app.get("/health")
+    async def health(request):
+        c = app.ctx.client
+        ok = c.ready is not None and not c.dead
+        return response.json({"status": "ok" if ok else "loading" if not c.dead else "dead"},
+                             status=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models(request):
+        return response.json({"object": "list", "data": [_model_card(model_name, max_model_len)]})
+
+    @app.get("/v1/models/<model_id:path>")
+    async def model(request, model_id):
+        if model_id != model_name:
+            raise ApiError(f"model {model_id!r} not found", status=404, kind="not_found_error", code="model_not_found")
+        return response.json(_model_card(model_name, max_model_len))
+
+    async def _prepare(request, chat: bool):
+        body = parse_body(request)
+        loop = asyncio.get_running_loop()
+        if chat:
+            prompts = [await loop.run_in_executor(None, chat_prompt, tok, body)]
+        else:
+            prompts = await loop.run_in_executor(None, completion_prompts, tok, body, info.config["vocab_size"])
+        params = sampling_params(body, info.config["vocab_size"])
+        for ids in prompts:
+            room = max_model_len - len(ids)
+            if params.max_tokens is not None and params.max_tokens > room or room < 1:
+                raise ApiError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                               f"model's context length ({max_model_len})", param="max_tokens",
+                               code="context_length_exceeded")
+        c = app.ctx.client
+        if c.ready is None or c.dead:
+            raise ApiError("the model is not ready", status=503, kind="service_unavailable")
+        return body, prompts, params
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request):
+        body, prompts, params = await _prepare(request, chat=True)
+        return await _respond(request, body, prompts, params, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request):
+        body, prompts, params = await _prepare(request, chat=False)
+        return await _respond(request, body, prompts, params, chat=False)
+
+    async def _respond(request, body, prompts, params, chat: bool):
+        c: EngineClient = app.ctx.client
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        kind = "chat.completion" if chat else "text_completion"
+        base = {"id": rid, "object": kind, "created": created, "model": model_name}
+        if body.get("stream"):
+            return await _stream(request, c, rid, base, prompts, params, chat, body)
+        choices, n_out, cached = [], 0, 0
+        for p_i, ids in enumerate(prompts):
+            texts, reasons = [""] * params.n, [None] * params.n
+            async for o in c.generate(f"{rid}-{p_i}", ids, params):
+                texts[o.index] += o.text
+                n_out += len(unpack_ids(o.token_ids))
+                if o.finish_reason:
+                    reasons[o.index] = _finish(o.finish_reason)
+                    cached += o.num_cached_tokens
+            for i in range(params.n):
+                idx = p_i * params.n + i
+                if chat:
+                    choices.append({"index": idx, "message": {"role": "assistant", "content": texts[i]},
+                                    "logprobs": None, "finish_reason": reasons[i]})
+                else:
+                    choices.append({"index": idx, "text": texts[i], "logprobs": None, "finish_reason": reasons[i]})
+        n_prompt = sum(len(p) for p in prompts)
+        return response.json({**base, "choices": choices, "usage": usage(n_prompt, n_out, cached)})
+
+    async def _stream(request, c, rid, base, prompts, params, chat, body):
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+        resp = await request.respond(content_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+        async def send(choices, extra=None):
+            payload = {**base, "object": chunk_kind, "choices": choices}
+            if include_usage:
+                payload["usage"] = None
+            payload.update(extra or {})
+            await resp.send("data: " + _dumps(payload) + "\n\n")
+
+        n_out = cached = 0
+        try:
+            for p_i, ids in enumerate(prompts):
+                if chat:
+                    await send([{"index": p_i * params.n + i, "delta": {"role": "assistant", "content": ""},
+                                 "logprobs": None, "finish_reason": None} for i in range(params.n)])
+                async for o in c.generate(f"{rid}-{p_i}", ids, params):
+                    n_out += len(unpack_ids(o.token_ids))
+                    idx = p_i * params.n + o.index
+                    reason = _finish(o.finish_reason) if o.finish_reason else None
+                    cached += o.num_cached_tokens if reason else 0
+                    if not o.text and not reason:
+                        continue
+                    if chat:
+                        delta = {"content": o.text} if o.text else {}
+                        await send([{"index": idx, "delta": delta, "logprobs": None, "finish_reason": reason}])
+                    else:
+                        await send([{"index": idx, "text": o.text, "logprobs": None, "finish_reason": reason}])
+            if include_usage:
+                await send([], {"usage": usage(sum(len(p) for p in prompts), n_out, cached)})
+        except Exception as e:  # the stream has started: report in-band, then end it
+            log.warning("stream %s failed: %s", rid, e)
+            await resp.send("data: " + _dumps({"error": ApiError(str(e), status=500, kind="server_error")
+                                               .body()["error"]}) + "\n\n")
+        await resp.send("data: [DONE]\n\n")
+        await resp.eof()
+
+    return app
+
+
+def _finish(reason: str) -> str:
+    return "stop" if reason == "abort" else reason
+
+
+def _model_card(name, max_model_len):
+    return {"id": name, "object": "model", "created": 0, "owned_by": "xinfer", "max_model_len": max_model_len}
+
+
+def _dumps(obj) -> str:
+    import json
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def serve(config: EngineConfig, host: str, port: int, log_level: str = "info") -> None:
+    app = create_app(config, log_level)
+    log.info("serving %s on http://%s:%d", config.model or "the bundled SmolLM2-135M-Instruct", host, port)
+    app.run(host=host, port=port, single_process=True, access_log=False, motd=False)
