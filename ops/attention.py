@@ -12,6 +12,8 @@ never threads it through forward signatures.
 """
 from __future__ import annotations
 
+import abc
+
 from dataclasses import dataclass, field
 
 import torch
@@ -40,15 +42,17 @@ class AttnMetadata:
         return max(self.query_lens, default=0)
 
 
-class AttentionBackend:
+class AttentionBackend(abc.ABC):
     name = "base"
 
+    @abc.abstractmethod
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
-        raise NotImplementedError
+        """Write the step's new K/V [T, Hkv, D] into the cache at their slots."""
 
+    @abc.abstractmethod
     def forward(self, q, k_cache, v_cache, meta: AttnMetadata, scale: float,
                 sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-        raise NotImplementedError
+        """Attention of q [T, Hq, D] over the paged cache; returns [T, Hq, D]."""
 
 
 class TorchBackend(AttentionBackend):

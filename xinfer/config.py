@@ -14,7 +14,7 @@ class EngineConfig:
     load_format: str = "auto"  # "auto" or "dummy" (random weights; `model` names a config)
     dtype: str = "auto"  # float32 / bfloat16 / float16; auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"
-    attention_backend: str = "auto"  # torch / triton / auto
+    attention_backend: str = "auto"  # torch / triton / flashinfer / auto
     max_num_seqs: int = 64
     max_model_len: int | None = None  # None: min(model's context, 4096)
     max_num_batched_tokens: int = 2048
