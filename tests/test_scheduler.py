@@ -115,3 +115,27 @@ def test_abort_frees_blocks():
     assert a.finish_reason == "abort" and s.bm.num_free == 16
     plan = s.schedule()
     assert plan.dropped == [1]
+
+
+def test_prefix_cache_max_tokens_caps_reusable_blocks():
+    cfg = EngineConfig(block_size=4, device="cpu", prefix_cache_max_tokens=8)
+    s = Scheduler(cfg, BlockManager(32, 4, True, cfg.prefix_cache_max_tokens), 1000, [0])
+    for i in range(3):
+        s.add(seq(i, 12, max_tokens=1))
+        while s.has_work():
+            run_step(s)
+    assert s.bm.num_cached_blocks() <= 2  # 8 tokens / 4 per block
+    s.bm.check_integrity()
+
+
+def test_disabled_prefix_cache_never_hits():
+    cfg = EngineConfig(block_size=4, device="cpu", enable_prefix_cache=False)
+    s = Scheduler(cfg, BlockManager(32, 4, False), 1000, [0])
+    a = seq(1, 12, max_tokens=1)
+    s.add(a)
+    while s.has_work():
+        run_step(s)
+    b = Sequence(2, "r2", list(a.prompt_ids), SamplingParams(), None, 1)
+    s.add(b)
+    s.schedule()
+    assert b.num_cached_tokens == 0 and s.bm.num_cached_blocks() == 0

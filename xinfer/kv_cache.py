@@ -62,14 +62,18 @@ class BlockManager:
             return
         self.cached[h] = block
         self.hash_of[block] = h
-        if self.max_cached_blocks is not None and len(self.cached) > self.max_cached_blocks:
-            self._evict_cached_lru()
+        self._enforce_cap()
 
-    def _evict_cached_lru(self):
+    def _enforce_cap(self):
+        """Forget the least recently used unreferenced cached blocks beyond the cap (blocks
+        still in use stay cached; they are trimmed when released)."""
+        if self.max_cached_blocks is None or len(self.cached) <= self.max_cached_blocks:
+            return
         for b in self.free:
             if self.hash_of[b] is not None:
                 self._unhash(b)
-                return
+                if len(self.cached) <= self.max_cached_blocks:
+                    return
 
     def _unhash(self, b: int) -> None:
         h = self.hash_of[b]
@@ -98,6 +102,7 @@ class BlockManager:
                 self.free[b] = None
                 if self.hash_of[b] is None:  # holds nothing reusable: hand it out first
                     self.free.move_to_end(b, last=False)
+        self._enforce_cap()
 
     def num_cached_blocks(self) -> int:
         return len(self.cached)
