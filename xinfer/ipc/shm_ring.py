@@ -1,0 +1,214 @@
+"""A shared-memory ring buffer: one writer, n readers, fixed-size slots.
+
+Layout (all little-endian):
+  header:   magic u32 | num_slots u32 | slot_size u32 | num_readers u32 | shutdown u32 | pad u32
+            | writer_pid u64 | reader_pid u64 * num_readers
+  slot i:   seq u64 | length u32 | overflow u32 | read flag u8 * num_readers (padded to 8) | payload
+
+The writer fills slot (n % num_slots) with message n, then publishes it by storing
+seq = n + 1 last. A reader waiting for message n polls that slot's seq; after copying the
+payload it sets its own read flag. The writer reuses a slot only once every reader has
+flagged it. The seq store is the fence: x86-64 keeps stores in program order and loads in
+program order (TSO), and CPython performs each memoryview store as one machine store, so
+a reader that sees the new seq also sees the payload written before it.
+
+A payload larger than a slot goes through a ZMQ side channel (one PUSH/PULL pair per
+reader); its slot carries only an overflow mark, so order is kept.
+
+Waits spin briefly, then sleep with a growing back-off (an idle ring costs next to no CPU),
+and check the peer's liveness and the shutdown flag, so nothing hangs on a dead process.
+"""
+from __future__ import annotations
+
+import os
+import struct
+import time
+from multiprocessing import shared_memory
+
+import zmq
+
+MAGIC = 0x58524E47  # "XRNG"
+_HDR = struct.Struct("<IIIIII Q")
+_SLOT = struct.Struct("<QII")
+
+
+class PeerDied(RuntimeError):
+    pass
+
+
+class RingClosed(RuntimeError):
+    pass
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return True  # not registered yet
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie child still answers kill(0): look at its state
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().split(b") ", 1)[1][:1] != b"Z"
+    except OSError:
+        return True
+
+
+class _Ring:
+    def __init__(self, shm: shared_memory.SharedMemory, owner: bool):
+        self.shm, self.owner = shm, owner
+        self.buf = shm.buf
+        magic, self.num_slots, self.slot_size, self.num_readers, _, _, _ = _HDR.unpack_from(self.buf, 0)
+        if magic != MAGIC:
+            raise ValueError(f"shared memory {shm.name} is not an xinfer ring")
+        self.hdr_size = _align(_HDR.size + 8 * self.num_readers)
+        self.flags_size = _align(self.num_readers)
+        self.payload_size = self.slot_size - _SLOT.size - self.flags_size
+
+    @property
+    def name(self) -> str:
+        return self.shm.name
+
+    def _slot(self, i: int) -> int:
+        return self.hdr_size + (i % self.num_slots) * self.slot_size
+
+    def _pid(self, k: int) -> int:  # k = -1: writer, else reader k
+        return struct.unpack_from("<Q", self.buf, _HDR.size - 8 + 8 * (k + 1))[0]
+
+    def _set_pid(self, k: int) -> None:
+        struct.pack_into("<Q", self.buf, _HDR.size - 8 + 8 * (k + 1), os.getpid())
+
+    def shutdown(self) -> None:
+        struct.pack_into("<I", self.buf, 16, 1)
+
+    @property
+    def is_shutdown(self) -> bool:
+        return struct.unpack_from("<I", self.buf, 16)[0] == 1
+
+    def close(self) -> None:
+        self.buf = None
+        try:
+            self.shm.close()
+            if self.owner:
+                self.shm.unlink()
+        except (FileNotFoundError, BufferError):
+            pass
+
+
+def _align(n: int) -> int:
+    return (n + 7) & ~7
+
+
+def _wait(ready, peers, ring: _Ring, what: str, timeout: float | None):
+    """Spin, then sleep with back-off, until ready(); watch peers and the shutdown flag."""
+    for _ in range(200):
+        if ready():
+            return
+    sleep, start, checked = 20e-6, time.monotonic(), 0.0
+    while not ready():
+        now = time.monotonic()
+        if now - checked > 0.05:
+            checked = now
+            if ring.is_shutdown:
+                raise RingClosed(f"ring {ring.name} shut down while waiting to {what}")
+            for pid in peers():
+                if not _alive(pid):
+                    raise PeerDied(f"process {pid} died while this one waited to {what}")
+        if timeout is not None and now - start > timeout:
+            raise TimeoutError(f"timed out waiting to {what}")
+        time.sleep(sleep)
+        sleep = min(sleep * 2, 2e-3)
+
+
+class RingWriter(_Ring):
+    """Creates the ring. `side_endpoints[k]` is reader k's overflow channel (bound here)."""
+
+    def __init__(self, num_readers: int, num_slots: int = 16, slot_size: int = 1 << 16,
+                 side_endpoints: list[str] | None = None, zmq_ctx: zmq.Context | None = None):
+        flags = _align(num_readers)
+        hdr = _align(_HDR.size + 8 * num_readers)
+        shm = shared_memory.SharedMemory(create=True, size=hdr + num_slots * slot_size)
+        shm.buf[:hdr + num_slots * slot_size] = bytes(hdr + num_slots * slot_size)
+        _HDR.pack_into(shm.buf, 0, MAGIC, num_slots, slot_size, num_readers, 0, 0, os.getpid())
+        super().__init__(shm, owner=True)
+        assert self.payload_size > 0 and flags == self.flags_size
+        # Every slot starts out "read by all", so the first lap never waits.
+        for i in range(num_slots):
+            o = self._slot(i) + _SLOT.size
+            self.buf[o:o + num_readers] = b"\x01" * num_readers
+        self.seq = 0
+        self.side = []
+        if side_endpoints:
+            ctx = zmq_ctx or zmq.Context.instance()
+            for ep in side_endpoints:
+                s = ctx.socket(zmq.PUSH)
+                s.setsockopt(zmq.LINGER, 0)
+                s.bind(ep)
+                self.side.append(s)
+
+    def write(self, payload: bytes, timeout: float | None = None) -> None:
+        off = self._slot(self.seq)
+        flags = off + _SLOT.size
+        n = self.num_readers
+        _wait(lambda: self.buf[flags:flags + n] == b"\x01" * n,
+              lambda: [self._pid(k) for k in range(n)], self, "write", timeout)
+        big = len(payload) > self.payload_size
+        if big:
+            if not self.side:
+                raise ValueError(f"message of {len(payload)} bytes exceeds the ring's {self.payload_size}-byte "
+                                 "slots and the ring has no side channel")
+            for s in self.side:
+                s.send(payload)
+        else:
+            start = flags + self.flags_size
+            self.buf[start:start + len(payload)] = payload
+        self.buf[flags:flags + n] = bytes(n)
+        struct.pack_into("<II", self.buf, off + 8, len(payload), 1 if big else 0)
+        struct.pack_into("<Q", self.buf, off, self.seq + 1)  # publish: the last store
+        self.seq += 1
+
+
+class RingReader(_Ring):
+    def __init__(self, name: str, index: int, side_endpoint: str | None = None,
+                 zmq_ctx: zmq.Context | None = None):
+        super().__init__(shared_memory.SharedMemory(name=name), owner=False)
+        _untrack(self.shm)
+        self.index = index
+        self.seq = 0
+        self._set_pid(index)
+        self.side = None
+        if side_endpoint:
+            ctx = zmq_ctx or zmq.Context.instance()
+            self.side = ctx.socket(zmq.PULL)
+            self.side.setsockopt(zmq.LINGER, 0)
+            self.side.connect(side_endpoint)
+
+    def poll(self) -> bool:
+        return struct.unpack_from("<Q", self.buf, self._slot(self.seq))[0] == self.seq + 1
+
+    def read(self, timeout: float | None = None) -> bytes:
+        off = self._slot(self.seq)
+        _wait(self.poll, lambda: [self._pid(-1)], self, "read", timeout)
+        length, big = struct.unpack_from("<II", self.buf, off + 8)
+        flags = off + _SLOT.size
+        if big:
+            payload = self.side.recv()
+        else:
+            start = flags + self.flags_size
+            payload = bytes(self.buf[start:start + length])
+        self.buf[flags + self.index] = 1  # done with this slot
+        self.seq += 1
+        return payload
+
+
+def _untrack(shm) -> None:
+    """Readers must not unlink the writer's segment when they exit (Python's resource
+    tracker would otherwise do so for any segment a process opened)."""
+    try:
+        from multiprocessing import resource_tracker
+        resource_tracker.unregister(shm._name, "shared_memory")
+    except Exception:  # the tracker's internals differ across versions; leaking a registration is harmless
+        pass
