@@ -42,7 +42,7 @@ def server():
     else:
         proc.kill()
         pytest.fail("server did not become healthy")
-    yield base, saw_503
+    yield base, saw_503, proc.pid
     proc.send_signal(signal.SIGINT)
     try:
         proc.wait(30)
@@ -62,7 +62,7 @@ def post(base, path, body):
 
 def test_chat_with_openai_client(server):
     from openai import OpenAI
-    base, _ = server
+    base = server[0]
     client = OpenAI(base_url=base + "/v1", api_key="none")
     model = client.models.list().data[0].id
     r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "What is 2+2?"}],
@@ -83,7 +83,7 @@ def test_chat_with_openai_client(server):
 
 
 def test_completions_and_models(server):
-    base, _ = server
+    base = server[0]
     status, body = post(base, "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 5,
                                                    "temperature": 0})
     assert status == 200 and body["object"] == "text_completion" and body["usage"]["completion_tokens"] == 5
@@ -99,7 +99,7 @@ def test_completions_and_models(server):
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
 ])
 def test_bad_requests_get_openai_errors(server, body, param):
-    base, _ = server
+    base = server[0]
     status, err = post(base, "/v1/chat/completions", body)
     assert status == 400 and err["error"]["param"] == param and err["error"]["message"]
     assert set(err["error"]) == {"message", "type", "param", "code"}
@@ -109,8 +109,57 @@ def test_bad_requests_get_openai_errors(server, body, param):
 
 
 def test_web_page_and_health(server):
-    base, _ = server
+    base = server[0]
     with urllib.request.urlopen(base + "/") as r:
         assert r.status == 200 and b"xinfer chat" in r.read()
     with urllib.request.urlopen(base + "/health") as r:
         assert r.status == 200
+
+
+def _descendants(pid):
+    kids = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                kids.setdefault(ppid, []).append(int(d))
+            except (OSError, ValueError, IndexError):
+                pass
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for c in kids.get(p, []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _title(pid):
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().split(b"\0")[0].decode()
+
+
+def test_worker_killed_mid_stream_loses_no_request(server):
+    """kill -9 of the model worker during 16 streaming requests: all complete, same greedy text."""
+    import concurrent.futures as cf
+    from openai import OpenAI
+    base = server[0]
+    client = OpenAI(base_url=base + "/v1", api_key="none")
+    msgs = [[{"role": "user", "content": f"Count from {i} to {i + 20}."}] for i in range(16)]
+
+    def ask(m):
+        s = client.chat.completions.create(model="x", messages=m, max_tokens=40, temperature=0, stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in s if c.choices)
+
+    with cf.ThreadPoolExecutor(16) as pool:
+        want = list(pool.map(ask, msgs))
+        futures = [pool.submit(ask, m) for m in msgs]
+        time.sleep(3)
+        workers = [p for p in _descendants(server[2]) if _title(p) == "xinfer::worker-0"]
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        got = [f.result(timeout=300) for f in futures]
+    assert got == want
+    new = [p for p in _descendants(server[2]) if _title(p) == "xinfer::worker-0"]
+    assert len(new) == 1 and new != workers

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from xinfer.ipc.channels import endpoint, runtime_dir
-from xinfer.ipc.shm_ring import PeerDied, RingReader, RingWriter
+from xinfer.ipc.shm_ring import PeerDied, RingClosed, RingReader, RingWriter, create_ring
 
 CTX = mp.get_context("spawn")
 
@@ -37,7 +37,8 @@ def _msg(k, big_every=1000):
 def test_order_wraparound_overflow_no_loss(readers, n):
     d = runtime_dir()
     sides = [endpoint(d, f"side{i}") for i in range(readers)]
-    w = RingWriter(readers, num_slots=8, slot_size=1024, side_endpoints=sides)
+    shm = create_ring(readers, num_slots=8, slot_size=1024)
+    w = RingWriter(shm.name, side_endpoints=sides)
     q = CTX.Queue()
     procs = [CTX.Process(target=_reader, args=(w.name, i, sides[i], n, q)) for i in range(readers)]
     for p in procs:
@@ -48,6 +49,7 @@ def test_order_wraparound_overflow_no_loss(readers, n):
     for p in procs:
         p.join(10)
     w.close()
+    shm.unlink()
     assert results == [("ok", n, n * (n - 1) // 2)] * readers
 
 
@@ -59,7 +61,8 @@ def _die_after(name, index, k):
 
 
 def test_writer_notices_a_dead_reader():
-    w = RingWriter(2, num_slots=4, slot_size=256)
+    shm = create_ring(2, num_slots=4, slot_size=256)
+    w = RingWriter(shm.name)
     p = CTX.Process(target=_die_after, args=(w.name, 1, 2))
     p.start()
     other = RingReader(w.name, 0)
@@ -71,12 +74,11 @@ def test_writer_notices_a_dead_reader():
     p.join()
     other.close()
     w.close()
+    shm.unlink()
 
 
-def _write_then_die(name_q, k):
-    w = RingWriter(1, num_slots=4, slot_size=256)
-    name_q.put(w.name)
-    time.sleep(0.5)
+def _write_then_die(name, k):
+    w = RingWriter(name)
     for i in range(k):
         w.write(b"%d" % i)
     time.sleep(0.2)
@@ -84,10 +86,10 @@ def _write_then_die(name_q, k):
 
 
 def test_reader_notices_a_dead_writer():
-    q = CTX.Queue()
-    p = CTX.Process(target=_write_then_die, args=(q, 3))
+    shm = create_ring(1, num_slots=4, slot_size=256)
+    r = RingReader(shm.name, 0)
+    p = CTX.Process(target=_write_then_die, args=(shm.name, 3))
     p.start()
-    r = RingReader(q.get(timeout=30), 0)
     assert [r.read(timeout=10) for _ in range(3)] == [b"0", b"1", b"2"]
     t = time.monotonic()
     with pytest.raises(PeerDied):
@@ -95,25 +97,27 @@ def test_reader_notices_a_dead_writer():
     assert time.monotonic() - t < 5
     p.join()
     r.close()
+    shm.unlink()
 
 
-def test_shutdown_flag_and_garbage_free_idle():
-    w = RingWriter(1, num_slots=2, slot_size=128)
-    r = RingReader(w.name, 0)
+def test_shutdown_flag_wakes_a_reader():
+    shm = create_ring(1, num_slots=2, slot_size=128)
+    w, r = RingWriter(shm.name), RingReader(shm.name, 0)
     w.shutdown()
-    from xinfer.ipc.shm_ring import RingClosed
     with pytest.raises(RingClosed):
         r.read(timeout=5)
     r.close()
     w.close()
+    shm.unlink()
 
 
 def test_idle_wait_uses_little_cpu():
-    w = RingWriter(1, num_slots=2, slot_size=128)
-    r = RingReader(w.name, 0)
+    shm = create_ring(1, num_slots=2, slot_size=128)
+    w, r = RingWriter(shm.name), RingReader(shm.name, 0)
     t0, c0 = time.monotonic(), time.process_time()
     with pytest.raises(TimeoutError):
         r.read(timeout=1.0)
     assert (time.process_time() - c0) / (time.monotonic() - t0) < 0.1
     r.close()
     w.close()
+    shm.unlink()

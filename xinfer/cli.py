@@ -16,6 +16,15 @@ def setup_logging(level: str = "info", name: str = "xinfer") -> None:
                         format=f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s", datefmt="%H:%M:%S")
 
 
+def set_title(name: str) -> None:
+    """Name the process for ps and top (xinfer::api, xinfer::engine, xinfer::worker-0)."""
+    try:
+        import setproctitle
+        setproctitle.setproctitle(name)
+    except ImportError:
+        pass
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field, --like-this; --m is short for --model."""
     for f in dataclasses.fields(EngineConfig):

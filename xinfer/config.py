@@ -26,6 +26,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     prefix_cache_max_tokens: int | None = None  # cap on tokens kept for reuse; None: the whole cache
     seed: int = 0
+    max_restarts: int = 5  # model worker restarts (by recompute) before the engine gives up
 
     def __post_init__(self):
         if self.device == "auto":

@@ -15,6 +15,7 @@ from xinfer.loader import load_model_info
 from xinfer.sampling_params import SamplingParams
 from xinfer.scheduler import FINISHED, Scheduler, Sequence
 from xinfer.workers.model_runner import ModelRunner, num_kv_blocks
+from xinfer.workers.worker import WorkerDied
 
 log = logging.getLogger("xinfer.engine")
 
@@ -46,7 +47,10 @@ class Delta:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, **kwargs):
+    def __init__(self, config: EngineConfig | None = None, worker: str = "inproc", log_level: str = "info",
+                 **kwargs):
+        """worker="inproc" runs the model in this process (offline use, tests); "process" runs it
+        in a worker process over shared-memory rings, restarted by recompute if it dies."""
         self.config = config = config or EngineConfig(**kwargs)
         self.info = load_model_info(config.model, config.load_format)
         self.tokenizer = self.info.tokenizer
@@ -57,7 +61,13 @@ class Engine:
         dtype = config.torch_dtype
         import torch
         blocks = config.num_kv_blocks or num_kv_blocks(config, self.info.config, dtype, torch.device(config.device))
-        self.runner = ModelRunner(config, self.info, blocks)
+        if worker == "process":
+            from xinfer.ipc.channels import runtime_dir
+            from xinfer.workers.worker import ProcessRunner
+            self._rundir = runtime_dir()
+            self.runner = ProcessRunner(config, blocks, self._rundir, log_level)
+        else:
+            self.runner = ModelRunner(config, self.info, blocks)
         self.blocks = BlockManager(blocks, config.block_size, config.enable_prefix_cache,
                                    config.prefix_cache_max_tokens)
         self.vocab_size = self.info.config["vocab_size"]
@@ -139,7 +149,11 @@ class Engine:
         if not self.scheduler.has_work():
             return deltas
         plan = self.scheduler.schedule()
-        result = self.runner.execute(plan)
+        try:
+            result = self.runner.execute(plan)
+        except WorkerDied as e:
+            self._recover(e)
+            return deltas
         for seq, tok in self.scheduler.update(result):
             reason = seq.finish_reason
             text = ""
@@ -158,6 +172,23 @@ class Engine:
                     self._cached.pop(next(iter(self._cached)))
                 self._forget(seq.seq_id)
         return deltas
+
+    def _recover(self, err: Exception) -> None:
+        """A worker died: start a new one and recompute every running sequence from its tokens.
+        Clients see a slower response, not an error; greedy outputs are unchanged."""
+        if self.runner.restarts >= self.config.max_restarts:
+            raise RuntimeError(f"the model worker died {self.runner.restarts + 1} times; giving up ({err})")
+        log.warning("model worker died (%s); restarting it and recomputing %d sequences", err,
+                    len(self.scheduler.running))
+        self.scheduler.reset_worker_state()
+        self.runner.restart()
+
+    def close(self) -> None:
+        if hasattr(self.runner, "close"):
+            self.runner.close()
+        if hasattr(self, "_rundir"):
+            import shutil
+            shutil.rmtree(self._rundir, ignore_errors=True)
 
     def _delta(self, seq, toks, reason):
         return Delta(seq.seq_id, seq.request_id, self._meta[seq.seq_id][0], toks, "", reason)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import sys
 import time
 
 import zmq
@@ -22,23 +24,29 @@ log = logging.getLogger("xinfer.engine_core")
 
 
 def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, log_level: str = "info") -> None:
-    from xinfer.cli import setup_logging
+    from xinfer.cli import set_title, setup_logging
     from xinfer.engine import Engine
 
     setup_logging(log_level, "xinfer::engine")
-    try:
-        import setproctitle
-        setproctitle.setproctitle("xinfer::engine")
-    except ImportError:
-        pass
+    set_title("xinfer::engine")
     parent = os.getppid()
     ctx = zmq.Context()
     pull = socket(ctx, zmq.PULL, in_addr, bind=False)
     push = socket(ctx, zmq.PUSH, out_addr, bind=False)
     rx, tx = Codec(ToEngine), Codec(FromEngine)
-    engine = Engine(config)
-    push.send(tx.encode(Ready(engine.info.name, engine.max_model_len)))
-    log.info("ready")
+    # SIGTERM (the API process stopping us) unwinds through the finally: the worker and
+    # the shared-memory rings are released.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    engine = Engine(config, worker="process", log_level=log_level)
+    try:
+        push.send(tx.encode(Ready(engine.info.name, engine.max_model_len)))
+        log.info("ready")
+        _serve(engine, pull, push, rx, tx, parent)
+    finally:
+        engine.close()
+
+
+def _serve(engine, pull, push, rx, tx, parent: int) -> None:
     while True:
         busy = engine.has_unfinished()
         # Block while idle (an idle server burns no core); only drain the queue while busy.

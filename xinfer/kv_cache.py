@@ -104,6 +104,12 @@ class BlockManager:
                     self.free.move_to_end(b, last=False)
         self._enforce_cap()
 
+    def forget_cached(self) -> None:
+        """Drop every prefix-cache entry (the KV data behind them is gone)."""
+        for b in range(self.num_blocks):
+            self.hash_of[b] = None
+        self.cached.clear()
+
     def num_cached_blocks(self) -> int:
         return len(self.cached)
 

@@ -183,6 +183,21 @@ class Scheduler:
         self.seqs.pop(seq.seq_id, None)
         self._release_children(seq)
 
+    def reset_worker_state(self) -> None:
+        """The worker and its KV cache are gone: every sequence will be recomputed from its
+        tokens (running ones first, in their order), and no cached block is valid any more."""
+        self._inflight = []
+        self._dropped = []
+        for seq in reversed(self.running):
+            self._release(seq)
+            seq.status = WAITING
+            self.waiting.appendleft(seq)
+        self.running = []
+        for seq in self.waiting:  # n > 1 siblings may hold their parent's prompt blocks
+            self._release(seq)
+        self._dropped = []
+        self.bm.forget_cached()
+
     # ---- results ----
     def update(self, result: StepResult) -> list[tuple[Sequence, int]]:
         """Apply a step's sampled tokens; returns (sequence, new token) pairs in batch order."""

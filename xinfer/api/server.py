@@ -43,7 +43,7 @@ class EngineClient:
         self.queues: dict[str, asyncio.Queue] = {}
         self.ready: Ready | None = None
         self.dead = False
-        self.proc = mp.get_context("spawn").Process(target=run_engine_core, name="xinfer::engine", daemon=True,
+        self.proc = mp.get_context("spawn").Process(target=run_engine_core, name="xinfer::engine",
                                                     args=(config, in_addr, out_addr, log_level))
         self.proc.start()
 

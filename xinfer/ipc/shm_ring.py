@@ -58,8 +58,8 @@ def _alive(pid: int) -> bool:
 
 
 class _Ring:
-    def __init__(self, shm: shared_memory.SharedMemory, owner: bool):
-        self.shm, self.owner = shm, owner
+    def __init__(self, shm: shared_memory.SharedMemory):
+        self.shm = shm
         self.buf = shm.buf
         magic, self.num_slots, self.slot_size, self.num_readers, _, _, _ = _HDR.unpack_from(self.buf, 0)
         if magic != MAGIC:
@@ -92,9 +92,7 @@ class _Ring:
         self.buf = None
         try:
             self.shm.close()
-            if self.owner:
-                self.shm.unlink()
-        except (FileNotFoundError, BufferError):
+        except BufferError:
             pass
 
 
@@ -123,31 +121,41 @@ def _wait(ready, peers, ring: _Ring, what: str, timeout: float | None):
         sleep = min(sleep * 2, 2e-3)
 
 
-class RingWriter(_Ring):
-    """Creates the ring. `side_endpoints[k]` is reader k's overflow channel (bound here)."""
+def create_ring(num_readers: int, num_slots: int = 16, slot_size: int = 1 << 16,
+                name: str | None = None) -> shared_memory.SharedMemory:
+    """Create and initialise a ring segment. The caller owns it: it unlinks the segment
+    (`.close(); .unlink()`) when both sides are done; writer and readers attach by name.
+    Processes spawned by multiprocessing share the creator's resource tracker, which
+    unlinks the segment if the whole process tree dies without doing so."""
+    hdr = _align(_HDR.size + 8 * num_readers)
+    size = hdr + num_slots * slot_size
+    shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+    shm.buf[:size] = bytes(size)
+    _HDR.pack_into(shm.buf, 0, MAGIC, num_slots, slot_size, num_readers, 0, 0, 0)
+    ring = _Ring(shm)
+    assert ring.payload_size > 0, "slot_size too small"
+    # Every slot starts out "read by all", so the writer's first lap never waits.
+    for i in range(num_slots):
+        o = ring._slot(i) + _SLOT.size
+        shm.buf[o:o + num_readers] = b"\x01" * num_readers
+    ring.buf = None
+    return shm
 
-    def __init__(self, num_readers: int, num_slots: int = 16, slot_size: int = 1 << 16,
-                 side_endpoints: list[str] | None = None, zmq_ctx: zmq.Context | None = None):
-        flags = _align(num_readers)
-        hdr = _align(_HDR.size + 8 * num_readers)
-        shm = shared_memory.SharedMemory(create=True, size=hdr + num_slots * slot_size)
-        shm.buf[:hdr + num_slots * slot_size] = bytes(hdr + num_slots * slot_size)
-        _HDR.pack_into(shm.buf, 0, MAGIC, num_slots, slot_size, num_readers, 0, 0, os.getpid())
-        super().__init__(shm, owner=True)
-        assert self.payload_size > 0 and flags == self.flags_size
-        # Every slot starts out "read by all", so the first lap never waits.
-        for i in range(num_slots):
-            o = self._slot(i) + _SLOT.size
-            self.buf[o:o + num_readers] = b"\x01" * num_readers
+
+class RingWriter(_Ring):
+    """The one writer of a ring. `side_endpoints[k]` is reader k's overflow channel (bound here)."""
+
+    def __init__(self, name: str, side_endpoints: list[str] | None = None, zmq_ctx: zmq.Context | None = None):
+        super().__init__(shared_memory.SharedMemory(name=name))
+        self._set_pid(-1)
         self.seq = 0
         self.side = []
-        if side_endpoints:
-            ctx = zmq_ctx or zmq.Context.instance()
-            for ep in side_endpoints:
-                s = ctx.socket(zmq.PUSH)
-                s.setsockopt(zmq.LINGER, 0)
-                s.bind(ep)
-                self.side.append(s)
+        ctx = zmq_ctx or zmq.Context.instance()
+        for ep in side_endpoints or []:
+            s = ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.LINGER, 0)
+            s.bind(ep)
+            self.side.append(s)
 
     def write(self, payload: bytes, timeout: float | None = None) -> None:
         off = self._slot(self.seq)
@@ -174,8 +182,7 @@ class RingWriter(_Ring):
 class RingReader(_Ring):
     def __init__(self, name: str, index: int, side_endpoint: str | None = None,
                  zmq_ctx: zmq.Context | None = None):
-        super().__init__(shared_memory.SharedMemory(name=name), owner=False)
-        _untrack(self.shm)
+        super().__init__(shared_memory.SharedMemory(name=name))
         self.index = index
         self.seq = 0
         self._set_pid(index)
@@ -202,13 +209,3 @@ class RingReader(_Ring):
         self.buf[flags + self.index] = 1  # done with this slot
         self.seq += 1
         return payload
-
-
-def _untrack(shm) -> None:
-    """Readers must not unlink the writer's segment when they exit (Python's resource
-    tracker would otherwise do so for any segment a process opened)."""
-    try:
-        from multiprocessing import resource_tracker
-        resource_tracker.unregister(shm._name, "shared_memory")
-    except Exception:  # the tracker's internals differ across versions; leaking a registration is harmless
-        pass
