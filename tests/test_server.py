@@ -163,3 +163,43 @@ def test_worker_killed_mid_stream_loses_no_request(server):
     assert got == want
     new = [p for p in _descendants(server[2]) if _title(p) == "xinfer::worker-0"]
     assert len(new) == 1 and new != workers
+
+
+def test_sigterm_drains_in_flight_requests():
+    """SIGTERM with 8 streams in flight: all 8 finish, new requests get 503, the tree is gone."""
+    import concurrent.futures as cf
+    from openai import OpenAI
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "xinfer.cli", "--log-level", "warning", "serve",
+                             "--port", str(port), "--kv-cache-gb", "0.2", "--drain-timeout", "120"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(360):
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            time.sleep(0.5)
+    children = _descendants(proc.pid)
+    client = OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+
+    def ask(i):
+        s = client.chat.completions.create(model="x", messages=[{"role": "user", "content": f"Story {i}"}],
+                                           max_tokens=48, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        chunks = [c for c in s if c.choices]
+        return chunks[-1].choices[0].finish_reason, sum(1 for c in chunks if c.choices[0].delta.content)
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(ask, i) for i in range(8)]
+        time.sleep(4)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        status, err = post(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+        results = [f.result(timeout=300) for f in futures]
+    assert status == 503 and err["error"]["type"] == "service_unavailable"
+    assert all(reason == "length" for reason, _ in results)
+    assert proc.wait(60) == 0
+    time.sleep(1)
+    assert not [p for p in children if os.path.exists(f"/proc/{p}") and _title(p).startswith("xinfer")]

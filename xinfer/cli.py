@@ -78,7 +78,8 @@ def cmd_generate(args) -> int:
 def cmd_serve(args) -> int:
     from xinfer.api.server import serve
 
-    serve(engine_config(args), args.host, args.port, args.log_level)
+    serve(engine_config(args), args.host, args.port, args.log_level, args.max_queued_requests,
+          args.drain_timeout)
     return 0
 
 
@@ -103,6 +104,10 @@ def main(argv=None) -> int:
     add_engine_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--max-queued-requests", type=int, default=256,
+                   help="requests waiting beyond --max-num-seqs before new ones get 503")
+    s.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT: seconds in-flight requests may take to finish")
     s.set_defaults(func=cmd_serve)
 
     args = parser.parse_args(argv)
@@ -114,6 +119,12 @@ def main(argv=None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def launch_main(argv=None) -> int:
+    """`xinfer-launch ...` is `xinfer serve ...`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return main(["serve"] + argv)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,10 @@ from xinfer.sampling_params import SamplingParams
 
 class ApiError(Exception):
     def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, retry_after: int | None = None):
         super().__init__(message)
         self.status, self.kind, self.param, self.code = status, kind, param, code
+        self.retry_after = retry_after
 
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import multiprocessing as mp
 import shutil
+import signal
 import time
 import uuid
 from pathlib import Path
@@ -98,8 +99,10 @@ class EngineClient:
         shutil.rmtree(self.rundir, ignore_errors=True)
 
 
-def create_app(config: EngineConfig, log_level: str = "info") -> Sanic:
+def create_app(config: EngineConfig, log_level: str = "info", max_queued_requests: int = 256,
+               drain_timeout: float = 30.0) -> Sanic:
     app = Sanic("xinfer")
+    app.ctx.draining = False
     app.config.RESPONSE_TIMEOUT = 3600
     app.config.KEEP_ALIVE_TIMEOUT = 75
     info = load_model_info(config.model, config.load_format)  # tokenizer and config only, no weights
@@ -114,6 +117,26 @@ def create_app(config: EngineConfig, log_level: str = "info") -> Sanic:
         app.ctx.client = EngineClient(config, log_level)
         app.ctx.pump = asyncio.get_running_loop().create_task(app.ctx.client.pump())
 
+    @app.after_server_start
+    async def on_signals(app, _):
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: app.ctx.draining or loop.create_task(drain()))
+
+    async def drain():
+        """Stop admitting (503), let in-flight requests finish up to the drain timeout,
+        abort what is left, then stop the server (which stops the engine)."""
+        app.ctx.draining = True
+        c: EngineClient = app.ctx.client
+        log.info("draining %d requests (up to %.0fs)", len(c.queues), drain_timeout)
+        deadline = time.monotonic() + drain_timeout
+        while c.queues and time.monotonic() < deadline and not c.dead:
+            await asyncio.sleep(0.05)
+        for rid, q in list(c.queues.items()):
+            q.put_nowait(RuntimeError("the server is shutting down"))
+        await asyncio.sleep(0.1)  # let the aborted streams send their last event
+        app.stop()
+
     @app.after_server_stop
     async def stop(app, _):
         app.ctx.pump.cancel()
@@ -121,7 +144,8 @@ def create_app(config: EngineConfig, log_level: str = "info") -> Sanic:
 
     @app.exception(ApiError)
     async def api_error(request, e: ApiError):
-        return response.json(e.body(), status=e.status)
+        headers = {"Retry-After": str(e.retry_after)} if e.retry_after else None
+        return response.json(e.body(), status=e.status, headers=headers)
 
     @app.exception(InvalidRequestError)
     async def invalid(request, e):
@@ -132,6 +156,12 @@ def create_app(config: EngineConfig, log_level: str = "info") -> Sanic:
         status = getattr(e, "status_code", 500)
         return response.json(ApiError(str(e), status=status, kind="invalid_request_error"
                                       if status < 500 else "server_error").body(), status=status)
+
+    @app.exception(Exception)
+    async def unexpected(request, e):
+        log.exception("request failed")
+        return response.json(ApiError(str(e) or type(e).__name__, status=500, kind="server_error").body(),
+                             status=500)
 
     @app.get("/")
     async def index(request):
@@ -155,6 +185,7 @@ def create_app(config: EngineConfig, log_level: str = "info") -> Sanic:
         return response.json(_model_card(model_name, max_model_len))
 
     async def _prepare(request, chat: bool):
+        _admit()
         body = parse_body(request)
         loop = asyncio.get_running_loop()
         if chat:
@@ -168,10 +199,17 @@ def create_app(config: EngineConfig, log_level: str = "info") -> Sanic:
                 raise ApiError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                                f"model's context length ({max_model_len})", param="max_tokens",
                                code="context_length_exceeded")
-        c = app.ctx.client
-        if c.ready is None or c.dead:
-            raise ApiError("the model is not ready", status=503, kind="service_unavailable")
         return body, prompts, params
+
+    def _admit():
+        """503 with Retry-After while loading, draining or past the queue limit."""
+        c = app.ctx.client
+        if c.ready is None or c.dead or app.ctx.draining:
+            why = "shutting down" if app.ctx.draining else "not ready"
+            raise ApiError(f"the server is {why}", status=503, kind="service_unavailable", retry_after=5)
+        if len(c.queues) >= config.max_num_seqs + max_queued_requests:
+            raise ApiError(f"too many requests queued (limit {max_queued_requests}); retry later", status=503,
+                           kind="service_unavailable", retry_after=1)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request):
@@ -266,7 +304,8 @@ def _dumps(obj) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
-def serve(config: EngineConfig, host: str, port: int, log_level: str = "info") -> None:
-    app = create_app(config, log_level)
+def serve(config: EngineConfig, host: str, port: int, log_level: str = "info", max_queued_requests: int = 256,
+          drain_timeout: float = 30.0) -> None:
+    app = create_app(config, log_level, max_queued_requests, drain_timeout)
     log.info("serving %s on http://%s:%d", config.model or "the bundled SmolLM2-135M-Instruct", host, port)
     app.run(host=host, port=port, single_process=True, access_log=False, motd=False)
