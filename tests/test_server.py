@@ -203,3 +203,58 @@ def test_sigterm_drains_in_flight_requests():
     assert proc.wait(60) == 0
     time.sleep(1)
     assert not [p for p in children if os.path.exists(f"/proc/{p}") and _title(p).startswith("xinfer")]
+
+
+def _metric(base, name):
+    with urllib.request.urlopen(base + "/metrics") as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_frees_blocks_within_a_second(server, stream):
+    import http.client
+    base = server[0]
+    host, port = base.split("//")[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    body = {"messages": [{"role": "user", "content": "Write a very long story."}], "max_tokens": 2000,
+            "stream": stream, "ignore_eos": True}
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    deadline = time.time() + 30
+    while _metric(base, "xinfer:num_requests_running") < 1 and time.time() < deadline:
+        time.sleep(0.1)
+    assert _metric(base, "xinfer:num_requests_running") == 1
+    if stream:
+        resp = conn.getresponse()
+        resp.read1(100)
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    t = time.time()
+    while time.time() - t < 1.0 and (_metric(base, "xinfer:num_requests_running") > 0
+                                     or _metric(base, "xinfer:kv_cache_usage_perc") > 0):
+        time.sleep(0.05)
+    assert _metric(base, "xinfer:num_requests_running") == 0
+    assert _metric(base, "xinfer:kv_cache_usage_perc") == 0
+
+
+def _cpu_seconds(pids):
+    total = 0.0
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except OSError:
+            pass
+    return total
+
+
+def test_idle_server_uses_no_cpu(server):
+    pids = [server[2]] + _descendants(server[2])
+    time.sleep(1)
+    c0, t0 = _cpu_seconds(pids), time.time()
+    time.sleep(10)
+    share = (_cpu_seconds(pids) - c0) / (time.time() - t0)
+    assert share < 0.05, f"idle process tree used {share:.1%} of a core"

@@ -77,6 +77,7 @@ class Engine:
         self._meta: dict[int, tuple[int, str]] = {}  # seq id -> (choice index, request id)
         self._cached: dict[int, int] = {}
         self._zero: list[Sequence] = []  # max_tokens=0 requests: finished without running
+        self.num_prompt_tokens = self.num_generation_tokens = self.num_cached_prompt_tokens = 0
         self.default_params = default_sampling_params(self.info.generation_config)
 
     # ---- requests ----
@@ -166,6 +167,10 @@ class Engine:
                 if reason:
                     text += det.flush()
             deltas.append(Delta(seq.seq_id, seq.request_id, self._meta[seq.seq_id][0], [tok], text, reason))
+            self.num_generation_tokens += 1
+            if len(seq.output_ids) == 1:
+                self.num_prompt_tokens += len(seq.prompt_ids)
+                self.num_cached_prompt_tokens += seq.num_cached_tokens or 0
             if reason:
                 self._cached[seq.seq_id] = seq.num_cached_tokens or 0
                 if len(self._cached) > 4096:  # bounded: a server runs forever

@@ -16,7 +16,8 @@ import zmq
 
 from xinfer.config import EngineConfig
 from xinfer.errors import XinferError
-from xinfer.ipc.api import Abort, FromEngine, GenerateRequest, Output, Outputs, Ready, RequestError, ToEngine
+from xinfer.ipc.api import (Abort, FromEngine, GenerateRequest, Output, Outputs, Ready, RequestError, Stats,
+                            ToEngine)
 from xinfer.ipc.channels import Codec, socket
 from xinfer.ipc.step import pack_ids, unpack_ids
 
@@ -46,8 +47,20 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, log_level
         engine.close()
 
 
+def _stats(engine) -> Stats:
+    s = engine.scheduler
+    return Stats(len(s.running), len(s.waiting), engine.blocks.usage(), engine.num_prompt_tokens,
+                 engine.num_generation_tokens, engine.num_cached_prompt_tokens, s.num_preemptions,
+                 getattr(engine.runner, "restarts", 0))
+
+
 def _serve(engine, pull, push, rx, tx, parent: int) -> None:
+    last_stats = None
     while True:
+        stats = _stats(engine)
+        if stats != last_stats:  # sent when something changed, so an idle engine sends nothing
+            push.send(tx.encode(stats))
+            last_stats = stats
         busy = engine.has_unfinished()
         # Block while idle (an idle server burns no core); only drain the queue while busy.
         timeout = 0 if busy else 500

@@ -16,12 +16,13 @@ import zmq.asyncio
 from sanic import Sanic, response
 from sanic.exceptions import SanicException
 
+from xinfer.api.metrics import Metrics
 from xinfer.api.protocol import (ApiError, chat_prompt, completion_prompts, parse_body, sampling_params,
                                  usage)
 from xinfer.config import EngineConfig
 from xinfer.engine_core import run_engine_core
 from xinfer.errors import InvalidRequestError
-from xinfer.ipc.api import Abort, FromEngine, GenerateRequest, Outputs, Ready, RequestError, ToEngine
+from xinfer.ipc.api import Abort, FromEngine, GenerateRequest, Outputs, Ready, RequestError, Stats, ToEngine
 from xinfer.ipc.channels import Codec, endpoint, runtime_dir, socket
 from xinfer.ipc.step import pack_ids, unpack_ids
 from xinfer.loader import load_model_info
@@ -33,8 +34,9 @@ WEB_PAGE = Path(__file__).parent / "web" / "index.html"
 class EngineClient:
     """The API side of the engine core: one queue per in-flight request."""
 
-    def __init__(self, config: EngineConfig, log_level: str):
+    def __init__(self, config: EngineConfig, log_level: str, metrics: Metrics):
         self.config = config
+        self.metrics = metrics
         self.rundir = runtime_dir()
         self.ctx = zmq.asyncio.Context()
         in_addr, out_addr = endpoint(self.rundir, "to_engine"), endpoint(self.rundir, "from_engine")
@@ -62,6 +64,8 @@ class EngineClient:
                     q = self.queues.get(msg.request_id)
                     if q is not None:
                         q.put_nowait(InvalidRequestError(msg.message))
+                elif isinstance(msg, Stats):
+                    self.metrics.stats = msg
                 elif isinstance(msg, Ready):
                     self.ready = msg
                     log.info("engine ready: %s, max_model_len %d", msg.model, msg.max_model_len)
@@ -78,15 +82,21 @@ class EngineClient:
         q: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = q
         remaining = params.n
+        m, start, first = self.metrics, time.monotonic(), True
         try:
             await self.push.send(self.tx.encode(GenerateRequest(request_id, pack_ids(prompt_ids), params)))
             while remaining:
                 item = await q.get()
                 if isinstance(item, Exception):
                     raise item
+                if first:
+                    m.ttft.labels(m.model).observe(time.monotonic() - start)
+                    first = False
                 if item.finish_reason:
                     remaining -= 1
+                    m.finished.labels(m.model, item.finish_reason).inc()
                 yield item
+            m.e2e.labels(m.model).observe(time.monotonic() - start)
         finally:
             self.queues.pop(request_id, None)
             if remaining:  # the client went away (or an error): free the request's KV blocks now
@@ -110,11 +120,12 @@ def create_app(config: EngineConfig, log_level: str = "info", max_queued_request
     model_name = info.name
     ctx_len = info.config.get("max_position_embeddings") or 4096
     max_model_len = config.max_model_len or min(ctx_len, 4096)
+    metrics = Metrics(model_name)
     config.max_model_len = max_model_len
 
     @app.before_server_start
     async def start(app, _):
-        app.ctx.client = EngineClient(config, log_level)
+        app.ctx.client = EngineClient(config, log_level, metrics)
         app.ctx.pump = asyncio.get_running_loop().create_task(app.ctx.client.pump())
 
     @app.after_server_start
@@ -174,6 +185,10 @@ def create_app(config: EngineConfig, log_level: str = "info", max_queued_request
         return response.json({"status": "ok" if ok else "loading" if not c.dead else "dead"},
                              status=200 if ok else 503)
 
+    @app.get("/metrics")
+    async def prometheus(request):
+        return response.raw(metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8")
+
     @app.get("/v1/models")
     async def models(request):
         return response.json({"object": "list", "data": [_model_card(model_name, max_model_len)]})
@@ -204,6 +219,38 @@ def create_app(config: EngineConfig, log_level: str = "info", max_queued_request
     def _admit():
         """503 with Retry-After while loading, draining or past the queue limit."""
         c = app.ctx.client
+        if c.ready is None or c.dead or app.ctx.draining:
+            why, retry = ("shutting down" if app.ctx.draining else "not ready"), 5
+        elif len(c.queues) >= config.max_num_seqs + max_queued_requests:
+            why, retry = f"full: too many requests queued (limit {max_queued_requests})", 1
+        else:
+            return
+        metrics.rejected.labels(model_name).inc()
+        raise ApiError(f"the server is {why}; retry later", status=503, kind="service_unavailable",
+                       retry_after=retry)
+
+    async def _prepare(request, chat: bool):
+        _admit()
+        body = parse_body(request)
+        loop = asyncio.get_running_loop()
+        if chat:
+            prompts = [await loop.run_in_executor(None, chat_prompt, tok, body)]
+        else:
+            prompts = await loop.run_in_executor(None, completion_prompts, tok, body, info.config["vocab_size"])
+        params = sampling_params(body, info.config["vocab_size"])
+        for ids in prompts:
+            room = max_model_len - len(ids)
+            if params.max_tokens is not None and params.max_tokens > room or room < 1:
+                raise ApiError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                               f"model's context length ({max_model_len})", param="max_tokens",
+                               code="context_length_exceeded")
+        return body, prompts, params
+
+    def _admit():
+        """503 with Retry-After while loading, draining or past the queue limit."""
+        c = app.ctx.client
+        if c.ready is None or c.dead or app.ctx.draining or len(c.queues) >= config.max_num_seqs + max_queued_requests:
+            metrics.rejected.labels(model_name).inc()
         if c.ready is None or c.dead or app.ctx.draining:
             why = "shutting down" if app.ctx.draining else "not ready"
             raise ApiError(f"the server is {why}", status=503, kind="service_unavailable", retry_after=5)

@@ -35,10 +35,22 @@ class Outputs(msgspec.Struct, array_like=True, tag="outs"):
     items: list[Output]
 
 
+class Stats(msgspec.Struct, array_like=True, tag="stats"):
+    """Engine gauges and counters (counters are totals since start)."""
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prompt_tokens: int
+    generation_tokens: int
+    prefix_cache_hit_tokens: int
+    preemptions: int
+    worker_restarts: int
+
+
 class RequestError(msgspec.Struct, array_like=True, tag="err"):
     request_id: str
     message: str
 
 
 ToEngine = GenerateRequest | Abort
-FromEngine = Ready | Outputs | RequestError
+FromEngine = Ready | Outputs | RequestError | Stats
