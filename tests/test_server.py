@@ -258,3 +258,32 @@ def test_idle_server_uses_no_cpu(server):
     time.sleep(10)
     share = (_cpu_seconds(pids) - c0) / (time.time() - t0)
     assert share < 0.05, f"idle process tree used {share:.1%} of a core"
+
+
+def _bound_unix_paths(pid):
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    with open("/proc/net/unix") as f:
+        for line in f.readlines()[1:]:
+            parts = line.split()
+            if len(parts) >= 8 and parts[6] in inodes:
+                yield parts[7]
+
+
+def test_garbage_frame_into_api_socket_is_dropped(server):
+    import zmq
+    base, _, pid = server
+    path = next(p for p in _bound_unix_paths(pid) if p.endswith("from_engine"))
+    s = zmq.Context.instance().socket(zmq.PUSH)
+    s.connect("ipc://" + path)
+    s.send(b"\x00\xffnot a message")
+    s.close(linger=1000)
+    status, body = post(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                        "max_tokens": 3})
+    assert status == 200 and body["usage"]["completion_tokens"] == 3

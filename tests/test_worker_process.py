@@ -46,3 +46,22 @@ def test_killed_worker_is_replaced_by_recompute(engine, reference, which):
     assert engine.runner.restarts == restarts + 1
     assert [toks[i] for i in ids] == reference[which]
     engine.blocks.check_integrity()
+
+
+def test_garbage_plan_frame_is_rejected_and_recovered(engine, reference):
+    """A frame in the plan ring that is not a StepPlan: the worker logs it and answers step -1,
+    and the engine rebuilds the worker's state by recompute; outputs are unchanged."""
+    from xinfer.ipc.step import StepResult
+    engine.runner.plans.write(b"\xc1 definitely not msgpack")
+    result = engine.runner._codec.decode(engine.runner.results.read(timeout=30))
+    assert isinstance(result, StepResult) and result.step_id == -1
+    assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference[0]
+
+
+def test_garbage_zmq_frames_are_dropped(caplog):
+    from xinfer.ipc.api import FromEngine, ToEngine
+    from xinfer.ipc.channels import Codec
+    for typ in (ToEngine, FromEngine):
+        assert Codec(typ).decode(b"\x93\xa3bad\x01\x02") is None
+        assert Codec(typ).decode(b"") is None
+    assert "undecodable frame" in caplog.text
