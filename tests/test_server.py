@@ -287,3 +287,44 @@ def test_garbage_frame_into_api_socket_is_dropped(server):
     status, body = post(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                         "max_tokens": 3})
     assert status == 200 and body["usage"]["completion_tokens"] == 3
+
+
+def test_engine_death_stops_the_server_nonzero():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "xinfer.cli", "--log-level", "warning", "serve",
+                             "--port", str(port), "--kv-cache-gb", "0.1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(360):
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            time.sleep(0.5)
+    tree = _descendants(proc.pid)
+    engine = [p for p in tree if _title(p) == "xinfer::engine"]
+    assert len(engine) == 1
+    os.kill(engine[0], signal.SIGKILL)
+    assert proc.wait(60) == 1
+    time.sleep(2)  # the worker notices its scheduler is gone
+    assert not [p for p in tree if os.path.exists(f"/proc/{p}") and _title(p).startswith("xinfer")]
+
+
+def test_64_concurrent_streams_match_offline(server, smollm_path):
+    """64 concurrent streaming chats give the same greedy texts as the offline Engine."""
+    import concurrent.futures as cf
+    from openai import OpenAI
+    from xinfer import Engine, EngineConfig, SamplingParams
+    chats = [[{"role": "user", "content": f"Give me a fun fact about the number {i}."}] for i in range(64)]
+    client = OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0)
+
+    def ask(m):
+        s = client.chat.completions.create(model="x", messages=m, max_tokens=12, temperature=0, stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in s if c.choices)
+
+    with cf.ThreadPoolExecutor(64) as pool:
+        got = list(pool.map(ask, chats))
+    offline = Engine(EngineConfig(model=smollm_path, kv_cache_gb=0.1))
+    want = [o.text for o in offline.chat(chats, SamplingParams(temperature=0, max_tokens=12))]
+    assert got == want

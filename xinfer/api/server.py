@@ -34,8 +34,9 @@ WEB_PAGE = Path(__file__).parent / "web" / "index.html"
 class EngineClient:
     """The API side of the engine core: one queue per in-flight request."""
 
-    def __init__(self, config: EngineConfig, log_level: str, metrics: Metrics):
+    def __init__(self, config: EngineConfig, log_level: str, metrics: Metrics, on_death):
         self.config = config
+        self.on_death = on_death
         self.metrics = metrics
         self.rundir = runtime_dir()
         self.ctx = zmq.asyncio.Context()
@@ -71,9 +72,11 @@ class EngineClient:
                     log.info("engine ready: %s, max_model_len %d", msg.model, msg.max_model_len)
             elif not self.proc.is_alive() and not self.dead:
                 self.dead = True
-                log.error("engine core exited with code %s", self.proc.exitcode)
+                log.error("engine core exited with code %s; stopping the server", self.proc.exitcode)
                 for q in self.queues.values():
                     q.put_nowait(RuntimeError("the engine stopped"))
+                await asyncio.sleep(0.2)  # let streams send their error event
+                self.on_death()
 
     async def generate(self, request_id: str, prompt_ids: list[int], params):
         """Yield the engine's Outputs for one request until all its choices finish."""
@@ -125,7 +128,11 @@ def create_app(config: EngineConfig, log_level: str = "info", max_queued_request
 
     @app.before_server_start
     async def start(app, _):
-        app.ctx.client = EngineClient(config, log_level, metrics)
+        def engine_died():
+            app.ctx.failed = True
+            app.stop()
+        app.ctx.failed = False
+        app.ctx.client = EngineClient(config, log_level, metrics, engine_died)
         app.ctx.pump = asyncio.get_running_loop().create_task(app.ctx.client.pump())
 
     @app.after_server_start
@@ -356,3 +363,5 @@ def serve(config: EngineConfig, host: str, port: int, log_level: str = "info", m
     app = create_app(config, log_level, max_queued_requests, drain_timeout)
     log.info("serving %s on http://%s:%d", config.model or "the bundled SmolLM2-135M-Instruct", host, port)
     app.run(host=host, port=port, single_process=True, access_log=False, motd=False)
+    if app.ctx.failed:
+        raise SystemExit(1)  # the engine died: a supervisor (systemd, k8s) should restart us
