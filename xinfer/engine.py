@@ -48,12 +48,13 @@ class Delta:
 
 class Engine:
     def __init__(self, config: EngineConfig | None = None, worker: str = "inproc", log_level: str = "info",
-                 **kwargs):
+                 detokenize: bool = True, **kwargs):
         """worker="inproc" runs the model in this process (offline use, tests); "process" runs it
         in a worker process over shared-memory rings, restarted by recompute if it dies."""
         self.config = config = config or EngineConfig(**kwargs)
         self.info = load_model_info(config.model, config.load_format)
         self.tokenizer = self.info.tokenizer
+        self.detokenize = detokenize  # False when a detokenizer process does it (serving)
         ctx = self.info.config.get("max_position_embeddings") or 4096
         if config.max_model_len is None:
             config.max_model_len = min(ctx, 4096)
@@ -105,7 +106,7 @@ class Engine:
             seq = Sequence(next(self._ids), rid, list(ids), params, seed, max_tokens)
             seqs.append(seq)
             self._meta[seq.seq_id] = (i, rid)
-            if self.tokenizer is not None:
+            if self.tokenizer is not None and self.detokenize:
                 self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
                                                                   params.skip_special_tokens)
         if max_tokens == 0:

@@ -1,12 +1,19 @@
-"""The engine core process: receives requests from the API process over ZMQ, runs the
-scheduler and the model, and sends back each step's outputs in one frame.
+"""The engine core (scheduler) process.
 
-Today the model worker and detokenization run inside this process (the offline Engine);
-the message types are the ones the split processes will keep using.
+Requests arrive from the API process over ZMQ. Each step runs on the model worker process
+(shared-memory rings, see workers/worker.py); the new token ids go to the detokenizer
+process, whose text goes through the parser process to the API. A stop string found by the
+detokenizer comes back here and frees the sequence at once.
+
+This process holds every live sequence's tokens, so any child can die without losing a
+request: a new worker recomputes from the tokens, and a new detokenizer/parser pair is
+resynchronised with every live sequence's whole output (the API keeps only the text it has
+not seen yet).
 """
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 import os
 import signal
 import sys
@@ -16,35 +23,192 @@ import zmq
 
 from xinfer.config import EngineConfig
 from xinfer.errors import XinferError
-from xinfer.ipc.api import (Abort, FromEngine, GenerateRequest, Output, Outputs, Ready, RequestError, Stats,
-                            ToEngine)
-from xinfer.ipc.channels import Codec, socket
+from xinfer.ipc.api import Abort, FromEngine, GenerateRequest, Ready, RequestError, Stats, ToEngine
+from xinfer.ipc.channels import Codec, endpoint, socket
 from xinfer.ipc.step import pack_ids, unpack_ids
+from xinfer.ipc.text import SeqInit, StopHit, TokenBatch, TokenDelta
+from xinfer.workers.detokenizer import run_detokenizer
+from xinfer.workers.parser import run_parser
 
 log = logging.getLogger("xinfer.engine_core")
 
+_PROMPT_TAIL = 8
+_KEEP_FINISHED_S = 60.0  # finished sequences stay resendable this long after a pipeline restart
 
-def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, log_level: str = "info") -> None:
+
+def run_engine_core(config: EngineConfig, rundir: str, in_addr: str, out_addr: str, log_level: str = "info") -> None:
     from xinfer.cli import set_title, setup_logging
     from xinfer.engine import Engine
 
     setup_logging(log_level, "xinfer::engine")
     set_title("xinfer::engine")
-    parent = os.getppid()
-    ctx = zmq.Context()
-    pull = socket(ctx, zmq.PULL, in_addr, bind=False)
-    push = socket(ctx, zmq.PUSH, out_addr, bind=False)
-    rx, tx = Codec(ToEngine), Codec(FromEngine)
-    # SIGTERM (the API process stopping us) unwinds through the finally: the worker and
-    # the shared-memory rings are released.
+    # SIGTERM (the API process stopping us) unwinds through the finally clauses: the
+    # children and the shared-memory rings are released.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    engine = Engine(config, worker="process", log_level=log_level)
+    core = EngineCore(config, rundir, in_addr, out_addr, log_level)
+    engine = Engine(config, worker="process", log_level=log_level, detokenize=False)
     try:
-        push.send(tx.encode(Ready(engine.info.name, engine.max_model_len)))
+        core.start_pipeline()
+        core.push.send(core.tx.encode(Ready(engine.info.name, engine.max_model_len)))
         log.info("ready")
-        _serve(engine, pull, push, rx, tx, parent)
+        core.serve(engine)
     finally:
+        core.stop_pipeline()
         engine.close()
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, rundir: str, in_addr: str, out_addr: str, log_level: str):
+        self.config, self.rundir, self.out_addr, self.log_level = config, rundir, out_addr, log_level
+        self.ctx = zmq.Context()
+        self.pull = socket(self.ctx, zmq.PULL, in_addr, bind=False)
+        self.stop_addr = endpoint(rundir, "stop_hits")
+        self.pull.bind(self.stop_addr)  # the detokenizer's stop-string hits arrive here too
+        self.push = socket(self.ctx, zmq.PUSH, out_addr, bind=False)
+        self.rx, self.tx = Codec(ToEngine | StopHit), Codec(FromEngine)
+        self.tok_codec = Codec(TokenBatch)
+        self.parent = os.getppid()
+        self.live: dict[int, dict] = {}  # seq id -> what the detokenizer needs to rebuild its text
+        self.new_inits: list[SeqInit] = []
+        self.gen = 0
+        self.procs: list = []
+        self.to_detok = None
+        self.pipeline_restarts = 0
+
+    # ---- the detokenizer -> parser pipeline ----
+    def start_pipeline(self) -> None:
+        self.gen += 1
+        to_detok, to_parser = endpoint(self.rundir, f"to_detok-{self.gen}"), endpoint(self.rundir,
+                                                                                       f"to_parser-{self.gen}")
+        self.to_detok = socket(self.ctx, zmq.PUSH, to_detok, bind=True)
+        # A send to a dead detokenizer would block forever: time out and check on it instead.
+        self.to_detok.setsockopt(zmq.SNDTIMEO, 1000)
+        spawn = mp.get_context("spawn")
+        # The parser binds its input before the detokenizer connects; ZMQ queues until then.
+        self.procs = [
+            spawn.Process(target=run_parser, name="xinfer::parser", daemon=True,
+                          args=(to_parser, self.out_addr, self.log_level), kwargs={"bind": True}),
+            spawn.Process(target=run_detokenizer, name="xinfer::detokenizer", daemon=True,
+                          args=(self.config.model, self.config.load_format, to_detok, to_parser, self.stop_addr,
+                                self.log_level)),
+        ]
+        for p in self.procs:
+            p.start()
+
+    def stop_pipeline(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+        if self.to_detok is not None:
+            self.to_detok.close()
+
+    def _send_detok(self, batch: TokenBatch) -> None:
+        frame = self.tok_codec.enc.encode(batch)
+        while True:
+            try:
+                self.to_detok.send(frame)
+                return
+            except zmq.Again:
+                if self._check_pipeline():
+                    return  # restarted: the resync carried this batch's content too
+
+    def _check_pipeline(self) -> bool:
+        """Restart the detokenizer/parser pair if either died; True if it did."""
+        if all(p.is_alive() for p in self.procs):
+            return False
+        self.pipeline_restarts += 1
+        if self.pipeline_restarts > self.config.max_restarts:
+            raise RuntimeError(f"the detokenizer/parser died {self.pipeline_restarts} times; giving up")
+        dead = [p.name for p in self.procs if not p.is_alive()]
+        log.warning("%s died; restarting the detokenizer/parser pair and resending %d sequences",
+                    ", ".join(dead), len(self.live))
+        self.stop_pipeline()
+        self.start_pipeline()
+        self.new_inits = []
+        inits = [s["init"] for s in self.live.values()]
+        deltas = [TokenDelta(sid, pack_ids(s["tokens"]), s["finish"], s["cached"]) for sid, s in self.live.items()]
+        self._send_detok(TokenBatch(inits, deltas, resync=True))
+        return True
+
+    # ---- the loop ----
+    def serve(self, engine) -> None:
+        last_stats = None
+        while True:
+            self._check_pipeline()
+            stats = _stats(engine)
+            if stats != last_stats:  # sent when something changed, so an idle engine sends nothing
+                self.push.send(self.tx.encode(stats))
+                last_stats = stats
+            # Block while idle (an idle server burns no core); only drain the queue while busy.
+            timeout = 0 if engine.has_unfinished() else 500
+            while self.pull.poll(timeout):
+                timeout = 0
+                self._handle(engine, self.rx.decode(self.pull.recv()))
+            self._purge()
+            if not engine.has_unfinished():
+                if os.getppid() != self.parent:  # the API process is gone: nothing to serve
+                    log.warning("parent exited; stopping")
+                    return
+                continue
+            t = time.perf_counter()
+            deltas = engine.step()
+            log.debug("step %.1f ms, %d outputs", (time.perf_counter() - t) * 1e3, len(deltas))
+            out = []
+            for d in deltas:
+                s = self.live.get(d.seq_id)
+                if s is None:
+                    continue
+                s["tokens"].extend(d.token_ids)
+                s["cached"] = engine.get_num_cached_tokens_for_seq(d.seq_id)
+                if d.finish_reason:
+                    self._done(s, d.finish_reason)
+                out.append(TokenDelta(d.seq_id, pack_ids(d.token_ids), d.finish_reason, s["cached"]))
+            self._send_tokens(out)
+
+    def _handle(self, engine, msg) -> None:
+        if isinstance(msg, GenerateRequest):
+            try:
+                ids = unpack_ids(msg.prompt_ids)
+                seq_ids = engine.add_request(ids, msg.params, msg.request_id)
+            except XinferError as e:
+                self.push.send(self.tx.encode(RequestError(msg.request_id, str(e))))
+                return
+            tail = pack_ids(ids[-_PROMPT_TAIL:])
+            for index, sid in enumerate(seq_ids):
+                init = SeqInit(sid, msg.request_id, index, tail, list(msg.params.stop),
+                               msg.params.skip_special_tokens)
+                self.live[sid] = {"init": init, "tokens": [], "finish": None, "cached": 0, "done_at": None,
+                                  "request_id": msg.request_id}
+                self.new_inits.append(init)
+        elif isinstance(msg, Abort):
+            gone = [sid for sid, s in self.live.items() if s["request_id"] == msg.request_id and not s["finish"]]
+            engine.abort_request(msg.request_id)
+            self._finish_here(gone, "abort")
+        elif isinstance(msg, StopHit):
+            s = self.live.get(msg.seq_id)
+            if s is not None and not s["finish"]:
+                engine.abort(msg.seq_id)
+                self._done(s, "stop")
+
+    def _finish_here(self, seq_ids, reason) -> None:
+        """Sequences that end here, not in a step: tell the detokenizer to drop them."""
+        for sid in seq_ids:
+            self._done(self.live[sid], reason)
+        self._send_tokens([TokenDelta(sid, b"", reason, 0) for sid in seq_ids])
+
+    def _done(self, s, reason) -> None:
+        s["finish"], s["done_at"] = reason, time.monotonic()
+
+    def _send_tokens(self, deltas) -> None:
+        if deltas or self.new_inits:
+            batch, self.new_inits = TokenBatch(self.new_inits, deltas), []
+            self._send_detok(batch)
+
+    def _purge(self) -> None:
+        now = time.monotonic()
+        for sid in [sid for sid, s in self.live.items() if s["done_at"] and now - s["done_at"] > _KEEP_FINISHED_S]:
+            del self.live[sid]
 
 
 def _stats(engine) -> Stats:
@@ -52,37 +216,3 @@ def _stats(engine) -> Stats:
     return Stats(len(s.running), len(s.waiting), engine.blocks.usage(), engine.num_prompt_tokens,
                  engine.num_generation_tokens, engine.num_cached_prompt_tokens, s.num_preemptions,
                  getattr(engine.runner, "restarts", 0))
-
-
-def _serve(engine, pull, push, rx, tx, parent: int) -> None:
-    last_stats = None
-    while True:
-        stats = _stats(engine)
-        if stats != last_stats:  # sent when something changed, so an idle engine sends nothing
-            push.send(tx.encode(stats))
-            last_stats = stats
-        busy = engine.has_unfinished()
-        # Block while idle (an idle server burns no core); only drain the queue while busy.
-        timeout = 0 if busy else 500
-        while pull.poll(timeout):
-            msg = rx.decode(pull.recv())
-            timeout = 0
-            if isinstance(msg, GenerateRequest):
-                try:
-                    engine.add_request(unpack_ids(msg.prompt_ids), msg.params, msg.request_id)
-                except XinferError as e:
-                    push.send(tx.encode(RequestError(msg.request_id, str(e))))
-            elif isinstance(msg, Abort):
-                engine.abort_request(msg.request_id)
-        if not engine.has_unfinished():
-            if os.getppid() != parent:  # the API process is gone: nothing to serve
-                log.warning("parent exited; stopping")
-                return
-            continue
-        t = time.perf_counter()
-        deltas = engine.step()
-        log.debug("step %.1f ms, %d outputs", (time.perf_counter() - t) * 1e3, len(deltas))
-        if deltas:
-            push.send(tx.encode(Outputs([
-                Output(d.request_id, d.index, pack_ids(d.token_ids), d.text, d.finish_reason,
-                       engine.get_num_cached_tokens_for_seq(d.seq_id)) for d in deltas])))

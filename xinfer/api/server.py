@@ -22,9 +22,10 @@ from xinfer.api.protocol import (ApiError, chat_prompt, completion_prompts, pars
 from xinfer.config import EngineConfig
 from xinfer.engine_core import run_engine_core
 from xinfer.errors import InvalidRequestError
-from xinfer.ipc.api import Abort, FromEngine, GenerateRequest, Outputs, Ready, RequestError, Stats, ToEngine
+from xinfer.ipc.api import Abort, FromEngine, GenerateRequest, Ready, RequestError, Stats, ToEngine
+from xinfer.ipc.text import TextBatch
 from xinfer.ipc.channels import Codec, endpoint, runtime_dir, socket
-from xinfer.ipc.step import pack_ids, unpack_ids
+from xinfer.ipc.step import pack_ids
 from xinfer.loader import load_model_info
 
 log = logging.getLogger("xinfer.api")
@@ -43,12 +44,12 @@ class EngineClient:
         in_addr, out_addr = endpoint(self.rundir, "to_engine"), endpoint(self.rundir, "from_engine")
         self.push = socket(self.ctx, zmq.PUSH, in_addr, bind=True)
         self.pull = socket(self.ctx, zmq.PULL, out_addr, bind=True)
-        self.tx, self.rx = Codec(ToEngine), Codec(FromEngine)
+        self.tx, self.rx = Codec(ToEngine), Codec(FromEngine | TextBatch)
         self.queues: dict[str, asyncio.Queue] = {}
         self.ready: Ready | None = None
         self.dead = False
         self.proc = mp.get_context("spawn").Process(target=run_engine_core, name="xinfer::engine",
-                                                    args=(config, in_addr, out_addr, log_level))
+                                                    args=(config, self.rundir, in_addr, out_addr, log_level))
         self.proc.start()
 
     async def pump(self):
@@ -56,7 +57,7 @@ class EngineClient:
         while True:
             if await self.pull.poll(1000):
                 msg = self.rx.decode(await self.pull.recv())
-                if isinstance(msg, Outputs):
+                if isinstance(msg, TextBatch):
                     for o in msg.items:
                         q = self.queues.get(o.request_id)
                         if q is not None:
@@ -79,23 +80,32 @@ class EngineClient:
                 self.on_death()
 
     async def generate(self, request_id: str, prompt_ids: list[int], params):
-        """Yield the engine's Outputs for one request until all its choices finish."""
+        """Yield the TextDeltas of one request until all its choices finish."""
         if self.dead:
             raise RuntimeError("the engine stopped")
         q: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = q
         remaining = params.n
         m, start, first = self.metrics, time.monotonic(), True
+        seen = [0] * params.n  # characters received per choice: resends after a restart are trimmed
+        finished = set()
         try:
             await self.push.send(self.tx.encode(GenerateRequest(request_id, pack_ids(prompt_ids), params)))
             while remaining:
                 item = await q.get()
                 if isinstance(item, Exception):
                     raise item
+                if item.index in finished:
+                    continue
+                end = item.offset + len(item.text)
+                if item.offset < seen[item.index]:
+                    item.text = item.text[seen[item.index] - item.offset:]
+                seen[item.index] = max(seen[item.index], end)
                 if first:
                     m.ttft.labels(m.model).observe(time.monotonic() - start)
                     first = False
                 if item.finish_reason:
+                    finished.add(item.index)
                     remaining -= 1
                     m.finished.labels(m.model, item.finish_reason).inc()
                 yield item
@@ -236,35 +246,6 @@ def create_app(config: EngineConfig, log_level: str = "info", max_queued_request
         raise ApiError(f"the server is {why}; retry later", status=503, kind="service_unavailable",
                        retry_after=retry)
 
-    async def _prepare(request, chat: bool):
-        _admit()
-        body = parse_body(request)
-        loop = asyncio.get_running_loop()
-        if chat:
-            prompts = [await loop.run_in_executor(None, chat_prompt, tok, body)]
-        else:
-            prompts = await loop.run_in_executor(None, completion_prompts, tok, body, info.config["vocab_size"])
-        params = sampling_params(body, info.config["vocab_size"])
-        for ids in prompts:
-            room = max_model_len - len(ids)
-            if params.max_tokens is not None and params.max_tokens > room or room < 1:
-                raise ApiError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                               f"model's context length ({max_model_len})", param="max_tokens",
-                               code="context_length_exceeded")
-        return body, prompts, params
-
-    def _admit():
-        """503 with Retry-After while loading, draining or past the queue limit."""
-        c = app.ctx.client
-        if c.ready is None or c.dead or app.ctx.draining or len(c.queues) >= config.max_num_seqs + max_queued_requests:
-            metrics.rejected.labels(model_name).inc()
-        if c.ready is None or c.dead or app.ctx.draining:
-            why = "shutting down" if app.ctx.draining else "not ready"
-            raise ApiError(f"the server is {why}", status=503, kind="service_unavailable", retry_after=5)
-        if len(c.queues) >= config.max_num_seqs + max_queued_requests:
-            raise ApiError(f"too many requests queued (limit {max_queued_requests}); retry later", status=503,
-                           kind="service_unavailable", retry_after=1)
-
     @app.post("/v1/chat/completions")
     async def chat_completions(request):
         body, prompts, params = await _prepare(request, chat=True)
@@ -283,12 +264,13 @@ def create_app(config: EngineConfig, log_level: str = "info", max_queued_request
         base = {"id": rid, "object": kind, "created": created, "model": model_name}
         if body.get("stream"):
             return await _stream(request, c, rid, base, prompts, params, chat, body)
-        choices, n_out, cached = [], 0, 0
+        choices, cached = [], 0
+        tokens = {}
         for p_i, ids in enumerate(prompts):
             texts, reasons = [""] * params.n, [None] * params.n
             async for o in c.generate(f"{rid}-{p_i}", ids, params):
                 texts[o.index] += o.text
-                n_out += len(unpack_ids(o.token_ids))
+                tokens[(p_i, o.index)] = o.total_tokens
                 if o.finish_reason:
                     reasons[o.index] = _finish(o.finish_reason)
                     cached += o.num_cached_tokens
@@ -300,6 +282,7 @@ def create_app(config: EngineConfig, log_level: str = "info", max_queued_request
                 else:
                     choices.append({"index": idx, "text": texts[i], "logprobs": None, "finish_reason": reasons[i]})
         n_prompt = sum(len(p) for p in prompts)
+        n_out = sum(tokens.values())
         return response.json({**base, "choices": choices, "usage": usage(n_prompt, n_out, cached)})
 
     async def _stream(request, c, rid, base, prompts, params, chat, body):
@@ -315,14 +298,15 @@ def create_app(config: EngineConfig, log_level: str = "info", max_queued_request
             payload.update(extra or {})
             await resp.send("data: " + _dumps(payload) + "\n\n")
 
-        n_out = cached = 0
+        cached = 0
+        tokens = {}
         try:
             for p_i, ids in enumerate(prompts):
                 if chat:
                     await send([{"index": p_i * params.n + i, "delta": {"role": "assistant", "content": ""},
                                  "logprobs": None, "finish_reason": None} for i in range(params.n)])
                 async for o in c.generate(f"{rid}-{p_i}", ids, params):
-                    n_out += len(unpack_ids(o.token_ids))
+                    tokens[(p_i, o.index)] = o.total_tokens
                     idx = p_i * params.n + o.index
                     reason = _finish(o.finish_reason) if o.finish_reason else None
                     cached += o.num_cached_tokens if reason else 0
@@ -334,7 +318,7 @@ def create_app(config: EngineConfig, log_level: str = "info", max_queued_request
                     else:
                         await send([{"index": idx, "text": o.text, "logprobs": None, "finish_reason": reason}])
             if include_usage:
-                await send([], {"usage": usage(sum(len(p) for p in prompts), n_out, cached)})
+                await send([], {"usage": usage(sum(len(p) for p in prompts), sum(tokens.values()), cached)})
         except Exception as e:  # the stream has started: report in-band, then end it
             log.warning("stream %s failed: %s", rid, e)
             await resp.send("data: " + _dumps({"error": ApiError(str(e), status=500, kind="server_error")

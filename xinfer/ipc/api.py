@@ -21,20 +21,6 @@ class Ready(msgspec.Struct, array_like=True, tag="ready"):
     max_model_len: int
 
 
-class Output(msgspec.Struct, array_like=True):
-    request_id: str
-    index: int  # which of the request's n choices
-    token_ids: bytes
-    text: str
-    finish_reason: str | None
-    num_cached_tokens: int
-    logprobs: list[tuple[float, list[tuple[int, float]]]] = []
-
-
-class Outputs(msgspec.Struct, array_like=True, tag="outs"):
-    items: list[Output]
-
-
 class Stats(msgspec.Struct, array_like=True, tag="stats"):
     """Engine gauges and counters (counters are totals since start)."""
     num_running: int
@@ -53,4 +39,4 @@ class RequestError(msgspec.Struct, array_like=True, tag="err"):
 
 
 ToEngine = GenerateRequest | Abort
-FromEngine = Ready | Outputs | RequestError | Stats
+FromEngine = Ready | RequestError | Stats  # text goes through the detokenizer and parser (ipc/text.py)
