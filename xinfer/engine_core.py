@@ -36,7 +36,10 @@ _PROMPT_TAIL = 8
 _KEEP_FINISHED_S = 60.0  # finished sequences stay resendable this long after a pipeline restart
 
 
-def run_engine_core(config: EngineConfig, rundir: str, in_addr: str, out_addr: str, log_level: str = "info") -> None:
+def run_engine_core(config: EngineConfig, rundir: str, in_addr: str, out_addr: str, log_level: str,
+                    parent: int) -> None:
+    """`parent` is the API process: when it is gone, this process stops (it is passed in
+    rather than read here, since the parent may die while this process is still starting)."""
     from xinfer.cli import set_title, setup_logging
     from xinfer.engine import Engine
 
@@ -45,7 +48,7 @@ def run_engine_core(config: EngineConfig, rundir: str, in_addr: str, out_addr: s
     # SIGTERM (the API process stopping us) unwinds through the finally clauses: the
     # children and the shared-memory rings are released.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    core = EngineCore(config, rundir, in_addr, out_addr, log_level)
+    core = EngineCore(config, rundir, in_addr, out_addr, log_level, parent)
     engine = Engine(config, worker="process", log_level=log_level, detokenize=False)
     try:
         core.start_pipeline()
@@ -58,7 +61,8 @@ def run_engine_core(config: EngineConfig, rundir: str, in_addr: str, out_addr: s
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, rundir: str, in_addr: str, out_addr: str, log_level: str):
+    def __init__(self, config: EngineConfig, rundir: str, in_addr: str, out_addr: str, log_level: str,
+                 parent: int):
         self.config, self.rundir, self.out_addr, self.log_level = config, rundir, out_addr, log_level
         self.ctx = zmq.Context()
         self.pull = socket(self.ctx, zmq.PULL, in_addr, bind=False)
@@ -67,7 +71,7 @@ class EngineCore:
         self.push = socket(self.ctx, zmq.PUSH, out_addr, bind=False)
         self.rx, self.tx = Codec(ToEngine | StopHit), Codec(FromEngine)
         self.tok_codec = Codec(TokenBatch)
-        self.parent = os.getppid()
+        self.parent = parent
         self.live: dict[int, dict] = {}  # seq id -> what the detokenizer needs to rebuild its text
         self.new_inits: list[SeqInit] = []
         self.gen = 0
@@ -87,10 +91,10 @@ class EngineCore:
         # The parser binds its input before the detokenizer connects; ZMQ queues until then.
         self.procs = [
             spawn.Process(target=run_parser, name="xinfer::parser", daemon=True,
-                          args=(to_parser, self.out_addr, self.log_level), kwargs={"bind": True}),
+                          args=(to_parser, self.out_addr, self.log_level, os.getpid())),
             spawn.Process(target=run_detokenizer, name="xinfer::detokenizer", daemon=True,
                           args=(self.config.model, self.config.load_format, to_detok, to_parser, self.stop_addr,
-                                self.log_level)),
+                                self.log_level, os.getpid())),
         ]
         for p in self.procs:
             p.start()

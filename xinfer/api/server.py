@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
+import os
 import shutil
 import signal
 import time
@@ -49,7 +50,7 @@ class EngineClient:
         self.ready: Ready | None = None
         self.dead = False
         self.proc = mp.get_context("spawn").Process(target=run_engine_core, name="xinfer::engine",
-                                                    args=(config, self.rundir, in_addr, out_addr, log_level))
+                                                    args=(config, self.rundir, in_addr, out_addr, log_level, os.getpid()))
         self.proc.start()
 
     async def pump(self):

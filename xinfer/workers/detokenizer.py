@@ -15,7 +15,7 @@ log = logging.getLogger("xinfer.detokenizer")
 
 
 def run_detokenizer(model: str | None, load_format: str, in_addr: str, out_addr: str, stop_addr: str,
-                    log_level: str) -> None:
+                    log_level: str, parent: int) -> None:
     from xinfer.cli import set_title, setup_logging
     from xinfer.loader import load_model_info
 
@@ -28,7 +28,6 @@ def run_detokenizer(model: str | None, load_format: str, in_addr: str, out_addr:
     stops = socket(ctx, zmq.PUSH, stop_addr, bind=False)
     rx, tx = Codec(TokenBatch), Codec(TextBatch | StopHit)
     seqs: dict[int, tuple] = {}  # seq id -> (request id, index, detokenizer, tokens so far)
-    parent = os.getppid()
     while True:
         if not pull.poll(1000):
             if os.getppid() != parent:

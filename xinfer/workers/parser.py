@@ -10,16 +10,15 @@ from xinfer.ipc.channels import Codec, socket
 from xinfer.ipc.text import TextBatch
 
 
-def run_parser(in_addr: str, out_addr: str, log_level: str, bind: bool = True) -> None:
+def run_parser(in_addr: str, out_addr: str, log_level: str, parent: int) -> None:
     from xinfer.cli import set_title, setup_logging
 
     setup_logging(log_level, "xinfer::parser")
     set_title("xinfer::parser")
     ctx = zmq.Context()
-    pull = socket(ctx, zmq.PULL, in_addr, bind=bind)
+    pull = socket(ctx, zmq.PULL, in_addr, bind=True)  # the detokenizer connects here
     push = socket(ctx, zmq.PUSH, out_addr, bind=False)
     codec = Codec(TextBatch)
-    parent = os.getppid()
     while True:
         if not pull.poll(1000):
             if os.getppid() != parent:
