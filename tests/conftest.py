@@ -4,6 +4,13 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import urllib.error  # noqa: E402
+import urllib.request  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -46,3 +53,32 @@ def tiny_llama_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_llama")
     tf.LlamaForCausalLM(cfg).save_pretrained(path)
     return str(path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(*args, timeout: float = 240):
+    """Start `xinfer serve` on the bundled model on a free port; wait until /health is 200.
+    Returns (process, base URL, whether /health answered 503 while loading)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "xinfer.cli", "--log-level", "warning", "serve",
+                             "--port", str(port), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base, saw_503, deadline = f"http://127.0.0.1:{port}", False, time.time() + timeout
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, base, saw_503
+        except urllib.error.HTTPError as e:
+            saw_503 |= e.code == 503
+        except OSError:
+            pass
+        if proc.poll() is not None:
+            pytest.fail("server exited: " + proc.stdout.read())
+        time.sleep(0.5)
+    proc.kill()
+    pytest.fail("server did not become healthy")

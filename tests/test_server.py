@@ -4,50 +4,28 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 
 import pytest
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.conftest import start_server
 
 
 @pytest.fixture(scope="module")
 def server():
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "xinfer.cli", "--log-level", "warning", "serve",
-                             "--port", str(port), "--kv-cache-gb", "0.2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    saw_503 = False
-    while time.time() < deadline:
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except urllib.error.HTTPError as e:
-            saw_503 |= e.code == 503
-        except OSError:
-            pass
-        if proc.poll() is not None:
-            pytest.fail("server exited: " + proc.stdout.read())
-        time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("server did not become healthy")
+    proc, base, saw_503 = start_server("--kv-cache-gb", "0.2")
     yield base, saw_503, proc.pid
     proc.send_signal(signal.SIGINT)
     try:
         proc.wait(30)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+def test_health_is_503_while_loading(server):
+    assert server[1]
 
 
 def post(base, path, body):
@@ -169,18 +147,7 @@ def test_sigterm_drains_in_flight_requests():
     """SIGTERM with 8 streams in flight: all 8 finish, new requests get 503, the tree is gone."""
     import concurrent.futures as cf
     from openai import OpenAI
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "xinfer.cli", "--log-level", "warning", "serve",
-                             "--port", str(port), "--kv-cache-gb", "0.2", "--drain-timeout", "120"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(360):
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            time.sleep(0.5)
+    proc, base, _ = start_server("--kv-cache-gb", "0.2", "--drain-timeout", "120")
     children = _descendants(proc.pid)
     client = OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
 
@@ -292,18 +259,7 @@ def test_garbage_frame_into_api_socket_is_dropped(server):
 
 
 def test_engine_death_stops_the_server_nonzero():
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "xinfer.cli", "--log-level", "warning", "serve",
-                             "--port", str(port), "--kv-cache-gb", "0.1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(360):
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            time.sleep(0.5)
+    proc, base, _ = start_server("--kv-cache-gb", "0.1")
     tree = _descendants(proc.pid)
     engine = [p for p in tree if _title(p) == "xinfer::engine"]
     assert len(engine) == 1

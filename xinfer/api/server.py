@@ -49,8 +49,9 @@ class EngineClient:
         self.queues: dict[str, asyncio.Queue] = {}
         self.ready: Ready | None = None
         self.dead = False
-        self.proc = mp.get_context("spawn").Process(target=run_engine_core, name="xinfer::engine",
-                                                    args=(config, self.rundir, in_addr, out_addr, log_level, os.getpid()))
+        self.proc = mp.get_context("spawn").Process(
+            target=run_engine_core, name="xinfer::engine",
+            args=(config, self.rundir, in_addr, out_addr, log_level, os.getpid()))
         self.proc.start()
 
     async def pump(self):
