@@ -1,0 +1,472 @@
+"""xinfer-bench: statistics on recorded timings, the prompt generator, and the modes end to end
+against a tiny fake OpenAI-compatible server (plain asyncio, in a thread) and a real xinfer server."""
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+pytest.importorskip("aiohttp")
+pytest.importorskip("matplotlib")
+
+from bench import cli, load, stats  # noqa: E402
+from bench.stats import RequestRecord  # noqa: E402
+
+
+# ---------------------------------------------------------------- statistics
+
+def test_percentile_interpolates_like_numpy():
+    xs = [15, 20, 35, 40, 50]
+    assert stats.percentile(xs, 0) == 15
+    assert stats.percentile(xs, 100) == 50
+    assert stats.percentile(xs, 50) == 35
+    assert stats.percentile(xs, 40) == pytest.approx(29.0)  # rank 1.6: 20 + 0.6 * 15
+    assert stats.percentile(xs, 90) == pytest.approx(46.0)  # rank 3.6: 40 + 0.6 * 10
+    assert stats.percentile([7], 99) == 7
+    assert stats.percentile([], 50) is None
+    assert stats.percentile([4, 1, 3, 2], 50) == 2.5  # unsorted input
+
+
+def recorded():
+    """Three recorded requests (seconds since the run began) and one failure."""
+    a = RequestRecord(ok=True, prompt_len=10, output_len=5, start=0.0, ttft=0.1, latency=0.5,
+                      chunk_times=[0.1, 0.2, 0.3, 0.4, 0.5], usage_reported=True, cached_tokens=0)
+    b = RequestRecord(ok=True, prompt_len=20, output_len=3, start=0.2, ttft=0.3, latency=1.1,
+                      chunk_times=[0.5, 0.9, 1.3], usage_reported=True, cached_tokens=16)
+    c = RequestRecord(ok=True, prompt_len=30, output_len=1, start=1.0, ttft=0.2, latency=0.2,
+                      chunk_times=[1.2], usage_reported=True, cached_tokens=0)
+    d = RequestRecord(ok=False, error="HTTP 500: boom", start=1.5, latency=0.1)
+    return [a, b, c, d]
+
+
+def test_tpot_and_itl_per_request():
+    a, b, c, _ = recorded()
+    assert a.tpot == pytest.approx((0.5 - 0.1) / 4)  # 0.1 s
+    assert b.tpot == pytest.approx((1.1 - 0.3) / 2)  # 0.4 s
+    assert c.tpot is None  # one token: no TPOT
+    assert a.itl == pytest.approx([0.1, 0.1, 0.1, 0.1])
+    assert b.itl == pytest.approx([0.4, 0.4])
+    assert c.itl == []
+
+
+def test_metrics_on_recorded_timings():
+    m = stats.compute_metrics(recorded(), duration=2.0)
+    assert m["completed"] == 3 and m["failed"] == 1
+    assert m["total_input_tokens"] == 60 and m["total_output_tokens"] == 9
+    assert m["request_throughput"] == pytest.approx(1.5)
+    assert m["output_throughput"] == pytest.approx(4.5)
+    assert m["total_token_throughput"] == pytest.approx(34.5)
+    # TTFT of the ok requests: 100, 300, 200 ms
+    assert m["mean_ttft_ms"] == pytest.approx(200.0)
+    assert m["median_ttft_ms"] == pytest.approx(200.0)
+    assert m["p90_ttft_ms"] == pytest.approx(280.0)  # rank 1.8 of [100, 200, 300]
+    assert m["p99_ttft_ms"] == pytest.approx(298.0)
+    assert m["std_ttft_ms"] == pytest.approx((20000 / 3) ** 0.5)
+    # TPOT: 100 and 400 ms (the one-token request has none)
+    assert m["mean_tpot_ms"] == pytest.approx(250.0)
+    assert m["median_tpot_ms"] == pytest.approx(250.0)
+    assert m["p99_tpot_ms"] == pytest.approx(397.0)
+    # ITL pooled: four gaps of 100 ms and two of 400 ms
+    assert m["mean_itl_ms"] == pytest.approx(200.0)
+    assert m["median_itl_ms"] == pytest.approx(100.0)
+    assert m["p90_itl_ms"] == pytest.approx(400.0)  # rank 4.5 lies between the two 400s
+    # e2e: 500, 1100, 200 ms
+    assert m["mean_e2el_ms"] == pytest.approx(600.0)
+    assert m["median_e2el_ms"] == pytest.approx(500.0)
+    assert m["request_goodput"] is None  # no SLO given
+    assert m["error_counts"] == {"HTTP 500: boom": 1}
+    assert m["total_cached_tokens"] == 16
+    assert m["client_prefix_cache_hit_rate"] == pytest.approx(16 / 60)
+    assert m["max_concurrent_requests"] == 2  # a and b overlap; c and d each alone
+    assert m["usage_missing"] == 0
+
+
+def test_goodput_with_slos():
+    recs = recorded()
+    m = stats.compute_metrics(recs, 2.0, slo_ttft_ms=250)  # a (100) and c (200) pass; b (300) fails
+    assert m["good_requests"] == 2 and m["request_goodput"] == pytest.approx(1.0)
+    m = stats.compute_metrics(recs, 2.0, slo_tpot_ms=150)  # a (100) and c (one token: 0) pass
+    assert m["good_requests"] == 2
+    m = stats.compute_metrics(recs, 2.0, slo_ttft_ms=150, slo_tpot_ms=150)  # only a
+    assert m["good_requests"] == 1 and m["request_goodput"] == pytest.approx(0.5)
+    m = stats.compute_metrics(recs, 4.0, slo_ttft_ms=1e9, slo_tpot_ms=1e9)  # the failure never counts
+    assert m["good_requests"] == 3 and m["request_goodput"] == pytest.approx(0.75)
+
+
+def test_token_rate_and_concurrency_series():
+    recs = recorded()
+    ok = [r for r in recs if r.ok]
+    s = stats.token_rate_series(ok, 2.0, bin_s=1.0)
+    # second 0: a's 5 chunks (5 tokens) + b's chunks at 0.5 and 0.9 (1 token each); second 1: b 1.3 + c 1.2
+    assert s == [(0.0, 7.0), (1.0, 2.0)]
+    c = stats.concurrency_series(recs, 2.0, bin_s=1.0)
+    assert c == [(0.0, 1), (1.0, 1)]  # at 0.5 s: b (a ends exactly then); at 1.5 s: d
+
+
+def test_prometheus_parse_and_delta():
+    before = load.parse_prometheus("# HELP x\nvllm:prefix_cache_queries_total{model=\"m\"} 100\n"
+                                   "vllm:prefix_cache_hits_total{model=\"m\"} 20\nvllm:num_preemptions_total 1\n")
+    after = load.parse_prometheus("vllm:prefix_cache_queries_total{model=\"m\"} 300\n"
+                                  "vllm:prefix_cache_hits_total{model=\"m\"} 170\nvllm:num_preemptions_total 4\n"
+                                  "other_metric 5\n")
+    d = load.metrics_delta(before, after)
+    assert d["prefix_cache_hit_rate"] == pytest.approx(0.75)
+    assert d["preemptions"] == 3
+    assert "other_metric" not in d["deltas"]
+    assert load.metrics_delta(None, after) is None
+
+
+# ---------------------------------------------------------------- prompts
+
+def word_tokenizer(tmp_path):
+    """A tiny word-level tokenizer with byte-level pieces ("Ġword"), saved as tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    words = sorted(set(load.WORDS))
+    vocab = {"<unk>": 0, **{"Ġ" + w: i + 1 for i, w in enumerate(words)}, **{w: i + 1 + len(words)
+                                                                              for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    tok.decoder = decoders.ByteLevel()
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    return str(path)
+
+
+def test_random_prompts_are_deterministic(tmp_path):
+    maker = load.load_text_maker("words")
+    a = load.RandomPrompts(maker, 50, 20, range_ratio=0.5, seed=7)
+    b = load.RandomPrompts(maker, 50, 20, range_ratio=0.5, seed=7)
+    c = load.RandomPrompts(maker, 50, 20, range_ratio=0.5, seed=8)
+    ra = [a.get(i) for i in range(10)]
+    assert ra == [b.get(i) for i in reversed(range(10))][::-1]  # per index, whatever the order
+    assert [r.text for r in ra] != [c.get(i).text for i in range(10)]
+    for r in ra:
+        assert 25 <= r.prompt_len <= 75 and 10 <= r.output_len <= 30
+        assert len(r.text.split()) == r.prompt_len
+    assert len({r.prompt_len for r in ra}) > 1  # the range ratio varies lengths
+    longer = load.RandomPrompts(maker, 100, 20, seed=7).get(0)  # another shape shares no prefix
+    assert longer.text.split()[:5] != a.get(0).text.split()[:5]
+
+    maker = load.load_text_maker(word_tokenizer(tmp_path))
+    assert maker.tok is not None and len(maker.pool) > 100
+    p = load.RandomPrompts(maker, 40, 8, seed=3)
+    r = p.get(5)
+    assert maker.count(r.text) == 40 == r.prompt_len
+    assert r == load.RandomPrompts(maker, 40, 8, seed=3).get(5)
+
+
+def test_shared_prefix_groups():
+    maker = load.load_text_maker("words")
+    p = load.RandomPrompts(maker, 10, 4, seed=1, prefix_groups=3, prefix_len=30)
+    reqs = [p.get(i) for i in range(6)]
+    assert reqs[0].system == reqs[3].system and reqs[1].system == reqs[4].system
+    assert len({r.system for r in reqs}) == 3
+    assert reqs[0].text != reqs[3].text
+    assert reqs[0].prompt_len == 40
+    msgs = reqs[0].chat_messages()
+    assert msgs[0] == {"role": "system", "content": reqs[0].system} and msgs[1]["role"] == "user"
+
+
+def test_datasets(tmp_path):
+    maker = load.load_text_maker("words")
+    j = tmp_path / "p.jsonl"
+    j.write_text('{"prompt": "one two three", "output_len": 5}\n\n'
+                 '{"messages": [{"role": "user", "content": "hi there"}]}\n')
+    ds = load.load_dataset(str(j), "jsonl", maker, 7, seed=0)
+    got = sorted((r.prompt_len, r.output_len) for r in ds.items)
+    assert got == [(2, 7), (3, 5)]
+    s = tmp_path / "sg.json"
+    s.write_text(json.dumps([
+        {"conversations": [{"from": "human", "value": "a b c d e"}, {"from": "gpt", "value": "x y z w v u"}]},
+        {"conversations": [{"from": "human", "value": "short"}, {"from": "gpt", "value": "a b c d"}]},
+        {"conversations": [{"from": "human", "value": "only one turn"}]}]))
+    ds = load.load_dataset(str(s), "sharegpt", maker, 0, seed=0)
+    assert [(r.text, r.prompt_len, r.output_len) for r in ds.items] == [("a b c d e", 5, 6)]
+
+
+def test_loopback_only_by_default():
+    assert load.is_loopback("http://127.0.0.1:8000/v1") and load.is_loopback("http://localhost:1/v1")
+    assert not load.is_loopback("http://10.0.0.1:8000/v1")
+    assert cli.DEFAULT_URL.startswith("http://127.0.0.1:")
+    assert load.root_url("http://127.0.0.1:8000/v1") == "http://127.0.0.1:8000"
+
+
+# ---------------------------------------------------------------- a fake streaming server
+
+class FakeServer:
+    """OpenAI-style routes over plain asyncio: /v1/models, /metrics, and chat/completions that
+    stream max_tokens chunks ("tok ") with small sleeps, then usage and [DONE]."""
+
+    def __init__(self, first_s=0.02, gap_s=0.004, metrics=True):
+        self.first_s, self.gap_s, self.metrics = first_s, gap_s, metrics
+        self.requests = []
+        self.hits = self.queries = 0
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        assert self.ready.wait(10)
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+
+    def _run(self):
+        asyncio.set_event_loop(self.loop)
+        self.server = self.loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
+        self.port = self.server.sockets[0].getsockname()[1]
+        self.ready.set()
+        self.loop.run_forever()
+
+    def close(self):
+        async def stop():
+            self.server.close()
+            await self.server.wait_closed()
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    async def _handle(self, reader, writer):
+        try:
+            while True:
+                line = await reader.readline()
+                if not line:
+                    break
+                method, path, _ = line.decode().split(" ", 2)
+                headers = {}
+                while (h := await reader.readline()) not in (b"\r\n", b"\n", b""):
+                    k, _, v = h.decode().partition(":")
+                    headers[k.strip().lower()] = v.strip()
+                body = await reader.readexactly(int(headers.get("content-length", 0)))
+                if not await self._route(method, path, body, writer):
+                    break
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def _send(self, writer, status, body, ctype="application/json"):
+        data = body.encode()
+        writer.write(f"HTTP/1.1 {status} X\r\nContent-Type: {ctype}\r\nContent-Length: {len(data)}\r\n\r\n"
+                     .encode() + data)
+        await writer.drain()
+        return True
+
+    async def _route(self, method, path, body, writer):
+        if method == "GET" and path == "/v1/models":
+            return await self._send(writer, 200, json.dumps({"object": "list", "data": [{"id": "fake"}]}))
+        if method == "GET" and path == "/metrics":
+            if not self.metrics:
+                return await self._send(writer, 404, "not found", "text/plain")
+            return await self._send(writer, 200, f"fake:prefix_cache_queries_total {self.queries}\n"
+                                                 f"fake:prefix_cache_hits_total {self.hits}\n", "text/plain")
+        if method != "POST" or path not in ("/v1/chat/completions", "/v1/completions"):
+            return await self._send(writer, 404, json.dumps({"error": {"message": "no route"}}))
+        req = json.loads(body)
+        self.requests.append(req)
+        if req.get("model") != "fake":
+            return await self._send(writer, 404, json.dumps({"error": {"message": f"model {req.get('model')} "
+                                                                                  "not found"}}))
+        chat = path.endswith("chat/completions")
+        n = int(req["max_tokens"])
+        prompt = json.dumps(req.get("messages") or req.get("prompt"))
+        n_prompt = len(prompt.split())
+        self.queries += n_prompt
+        self.hits += n_prompt // 2
+        usage = {"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n,
+                 "prompt_tokens_details": {"cached_tokens": n_prompt // 2}}
+        if not req.get("stream"):
+            await asyncio.sleep(self.first_s + self.gap_s * n)
+            msg = {"message": {"role": "assistant", "content": "tok " * n}} if chat else {"text": "tok " * n}
+            return await self._send(writer, 200, json.dumps({"choices": [{"index": 0, **msg}], "usage": usage}))
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n")
+        await asyncio.sleep(self.first_s)
+        for i in range(n):
+            ch = {"index": 0, "delta": {"content": "tok "}} if chat else {"index": 0, "text": "tok "}
+            ch["finish_reason"] = "length" if i == n - 1 else None
+            writer.write(b"data: " + json.dumps({"choices": [ch], "usage": None}).encode() + b"\n\n")
+            await writer.drain()
+            await asyncio.sleep(self.gap_s)
+        writer.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\ndata: [DONE]\n\n")
+        await writer.drain()
+        return False  # Connection: close
+
+
+@pytest.fixture(scope="module")
+def fake():
+    srv = FakeServer()
+    yield srv
+    srv.close()
+
+
+def read_result(out_dir, prefix):
+    files = sorted(os.listdir(out_dir))
+    js = [f for f in files if f.startswith(prefix) and f.endswith(".json")]
+    assert len(js) == 1, files
+    return json.loads((out_dir / js[0]).read_text()), files
+
+
+def test_serve_against_fake_server(fake, tmp_path):
+    rc = cli.main(["serve", "--base-url", fake.url, "--num-requests", "6", "--concurrency", "3",
+                   "--input-len", "20", "--output-len", "10", "--tokenizer", "words", "--warmup", "1",
+                   "--slo-ttft", "1000", "--output-dir", str(tmp_path), "--result-name", "run", "--quiet"])
+    assert rc == 0
+    r, files = read_result(tmp_path, "run")
+    assert "run-latency.png" in files and "run-throughput.png" in files
+    for f in ("run-latency.png", "run-throughput.png"):
+        data = (tmp_path / f).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) < 200_000
+    for k in ("completed", "failed", "duration", "request_throughput", "output_throughput", "total_token_throughput",
+              "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p90_tpot_ms", "mean_itl_ms",
+              "p99_itl_ms", "mean_e2el_ms", "p99_e2el_ms", "request_goodput", "input_lens", "output_lens", "ttfts",
+              "itls", "errors", "server_metrics", "max_concurrency", "date", "machine", "model", "config"):
+        assert k in r, k
+    assert r["completed"] == 6 and r["failed"] == 0 and r["model"] == "fake"
+    assert r["total_output_tokens"] == 60 and r["output_lens"] == [10] * 6
+    assert r["max_concurrency"] == 3 and r["max_concurrent_requests"] <= 3
+    assert all(len(x) == 9 for x in r["itls"])
+    assert 15 < r["mean_ttft_ms"] < 1000  # the fake waits 20 ms before the first token
+    assert 3 < r["mean_tpot_ms"] < 100
+    assert r["good_requests"] == 6
+    assert r["server_metrics"]["prefix_cache_hit_rate"] == pytest.approx(0.5, abs=0.05)
+    assert r["client_prefix_cache_hit_rate"] == pytest.approx(0.5, abs=0.1)
+    sent = fake.requests[-6:]
+    assert all(q["ignore_eos"] is True and q["min_tokens"] == 10 and q["stream"] for q in sent)
+    assert all(q["stream_options"] == {"include_usage": True} for q in sent)
+    assert all(len(q["messages"][0]["content"].split()) == 20 for q in sent)
+
+
+def test_serve_sweep_completions_no_stream(fake, tmp_path):
+    rc = cli.main(["serve", "--base-url", fake.url, "--sweep", "concurrency=1,2", "--num-requests", "3",
+                   "--endpoint", "completions", "--no-stream", "--output-len", "5", "--input-len", "8",
+                   "--tokenizer", "words", "--warmup", "0", "--output-dir", str(tmp_path), "--result-name", "sw",
+                   "--quiet"])
+    assert rc == 0
+    r, files = read_result(tmp_path, "sw")
+    assert "sw-sweep.png" in files and "sw-latency.png" in files
+    assert r["mode"] == "sweep" and [x["sweep_value"] for x in r["runs"]] == [1, 2]
+    assert all(x["completed"] == 3 and x["total_output_tokens"] == 15 for x in r["runs"])
+    assert "prompt" in fake.requests[-1] and not fake.requests[-1]["stream"]
+
+
+def test_errors_are_grouped(fake, tmp_path):
+    rc = cli.main(["serve", "--base-url", fake.url, "--model", "nope", "--num-requests", "4", "--concurrency", "2",
+                   "--tokenizer", "words", "--warmup", "0", "--output-dir", str(tmp_path), "--result-name", "err",
+                   "--no-plots", "--quiet"])
+    assert rc == 1
+    r, _ = read_result(tmp_path, "err")
+    assert r["completed"] == 0 and r["failed"] == 4
+    assert r["error_counts"] == {'HTTP 404: {"error": {"message": "model nope not found"}}': 4}
+
+
+def test_compare_against_fake_servers(fake, tmp_path):
+    slow = FakeServer(first_s=0.06, gap_s=0.008, metrics=False)
+    try:
+        rc = cli.main(["compare", "--target", f"fast={fake.url}", "--target", f"slow={slow.url}",
+                       "--scenario", "cpu-smoke", "--num-requests", "4", "--tokenizer", "words",
+                       "--repeats", "2", "--output-dir", str(tmp_path), "--result-name", "cmp", "--quiet"])
+    finally:
+        slow.close()
+    assert rc == 0
+    r, files = read_result(tmp_path, "cmp")
+    assert "cmp-compare.png" in files and "cmp-latency.png" in files
+    assert r["mode"] == "compare" and r["scenario"] == "cpu-smoke"
+    fast, slw = r["targets"]
+    assert fast["name"] == "fast" and slw["name"] == "slow"
+    assert [x["repeat"] for x in fast["runs"]] == [0, 1] and len(slw["runs"]) == 2
+    assert fast["summary"]["completed"] == 4 and slw["summary"]["completed"] == 4
+    assert fast["ratio"]["output_throughput"] == pytest.approx(1.0)
+    assert slw["ratio"]["mean_ttft_ms"] > 1.5  # the slow one waits 3x longer for the first token
+    assert slw["ratio"]["output_throughput"] < 1.0
+    assert fast["runs"][0]["config"]["input_len"] == 32  # the scenario's shape
+    assert [x["config"]["seed"] for x in fast["runs"]] == [0, 1]  # fresh prompts each round
+    sent = [q["messages"][0]["content"] for q in fake.requests[-10:]]
+    sent = [t for t in sent if len(t.split()) == 32]  # not the (16-word) warm-ups
+    assert len(sent) == 8 and len(set(sent)) == 8  # 4 prompts in round 1, 4 others in round 2
+    assert slw["runs"][0]["server_metrics"] is None  # no /metrics there: handled
+
+
+def test_soak_against_fake_server(fake, tmp_path):
+    rc = cli.main(["soak", "--base-url", fake.url, "--duration", "2.5", "--concurrency", "2",
+                   "--input-len", "8", "--output-len", "8", "--tokenizer", "words", "--sample-interval", "0.5",
+                   "--max-rss-growth-mb", "10000", "--output-dir", str(tmp_path), "--result-name", "soak",
+                   "--quiet"])
+    assert rc == 0
+    r, files = read_result(tmp_path, "soak")
+    assert "soak-soak.png" in files
+    assert r["mode"] == "soak" and r["passed"] and r["completed"] > 4
+    assert r["server_pid"] == os.getpid()  # the fake listens in this process
+    assert len(r["rss_samples"]) >= 3 and r["rss_max_mb"] > 10
+    assert r["throughput_drift_pct"] is not None
+    assert 2.4 < r["duration"] < 10  # stopped by itself
+
+
+def test_rss_growth_check():
+    flat = [(t, 500 * 2**20) for t in range(0, 100, 5)]
+    assert cli.rss_growth(flat) == (0.0, 0.0)
+    growing = [(t, (500 + t) * 2**20) for t in range(0, 100, 5)]
+    g, slope = cli.rss_growth(growing)
+    assert g > 50 and slope == pytest.approx(60.0)  # 1 MiB/s
+
+
+# ---------------------------------------------------------------- a real xinfer server
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def xinfer_server():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "xinfer.cli", "--log-level", "warning", "serve",
+                             "--port", str(port), "--kv-cache-gb", "0.2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except (urllib.error.HTTPError, OSError):
+            pass
+        if proc.poll() is not None:
+            pytest.fail("server exited: " + proc.stdout.read())
+        time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("server did not become healthy")
+    yield base + "/v1"
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def test_serve_and_compare_against_xinfer(xinfer_server, tmp_path):
+    rc = cli.main(["serve", "--base-url", xinfer_server, "--num-requests", "6", "--concurrency", "2",
+                   "--input-len", "16", "--output-len", "6", "--tokenizer", "words", "--warmup", "0",
+                   "--output-dir", str(tmp_path), "--result-name", "x", "--quiet"])
+    assert rc == 0
+    r, files = read_result(tmp_path, "x")
+    assert r["completed"] == 6 and r["failed"] == 0
+    assert r["output_lens"] == [6] * 6  # ignore_eos + min_tokens: exact lengths
+    assert all(n > 16 for n in r["input_lens"])  # the server's count, chat template included
+    assert r["mean_ttft_ms"] > 0 and r["mean_tpot_ms"] > 0 and r["output_throughput"] > 0
+    assert "x-latency.png" in files
+    rc = cli.main(["compare", "--target", f"a={xinfer_server}", "--target", f"b={xinfer_server}",
+                   "--num-requests", "2", "--concurrency", "2", "--input-len", "8", "--output-len", "3",
+                   "--tokenizer", "words", "--warmup", "0", "--endpoint", "completions",
+                   "--output-dir", str(tmp_path), "--result-name", "xc", "--no-plots", "--quiet"])
+    assert rc == 0
+    r, _ = read_result(tmp_path, "xc")
+    assert [t["summary"]["completed"] for t in r["targets"]] == [2, 2]
+    assert r["targets"][1]["ratio"]["output_throughput"] > 0
