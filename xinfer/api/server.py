@@ -139,7 +139,7 @@ def create_app(config: EngineConfig, log_level: str = "info", max_queued_request
     config.max_model_len = max_model_len
 
     @app.before_server_start
-    async def start(app, _):
+    async def start(app):
         def engine_died():
             app.ctx.failed = True
             app.stop()
@@ -148,7 +148,7 @@ def create_app(config: EngineConfig, log_level: str = "info", max_queued_request
         app.ctx.pump = asyncio.get_running_loop().create_task(app.ctx.client.pump())
 
     @app.after_server_start
-    async def on_signals(app, _):
+    async def on_signals(app):
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda: app.ctx.draining or loop.create_task(drain()))
@@ -168,7 +168,7 @@ def create_app(config: EngineConfig, log_level: str = "info", max_queued_request
         app.stop()
 
     @app.after_server_stop
-    async def stop(app, _):
+    async def stop(app):
         app.ctx.pump.cancel()
         app.ctx.client.close()
 
