@@ -173,25 +173,24 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ---------------------------------------------------------------- helpers
 
 def machine_info() -> dict:
-    cpu = platform.processor() or ""
-    flags = ""
+    cpu, flags = "", ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and not cpu.strip(" x86_64"):
+            if line.startswith("model name") and not cpu:
                 cpu = line.split(":", 1)[1].strip()
             if line.startswith("flags") and not flags:
                 flags = line
     except OSError:
         pass
     simd = [f for f in ("avx2", "avx512f", "amx_tile") if f" {f}" in flags]
-    return {"cpu": cpu, "cpus": os.cpu_count(), "simd": simd, "platform": platform.platform(),
+    return {"cpu": cpu or platform.processor(), "cpus": os.cpu_count(), "simd": simd, "platform": platform.platform(),
             "python": platform.python_version()}
 
 
 def git_commit() -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
-                             capture_output=True, text=True, timeout=5)
+                             capture_output=True, text=True, timeout=5, check=False)
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -433,7 +432,7 @@ def _mean(xs):
 
 
 def compare_table(names, summaries, ratios) -> str:
-    w = max(14, *(len(n) + 12 for n in names))
+    w = max(22, *(len(n) + 2 for n in names))
     lines = [f"{'figure':<24}" + "".join(f"{n:>{w}}" for n in names)]
     for k in COMPARE_KEYS:
         row = f"{k:<24}"

@@ -453,17 +453,17 @@ def xinfer_server():
 
 def test_serve_and_compare_against_xinfer(xinfer_server, tmp_path):
     rc = cli.main(["serve", "--base-url", xinfer_server, "--num-requests", "6", "--concurrency", "2",
-                   "--input-len", "16", "--output-len", "6", "--tokenizer", "words", "--warmup", "0",
+                   "--input-len", "16", "--output-len", "4", "--tokenizer", "words", "--warmup", "0",
                    "--output-dir", str(tmp_path), "--result-name", "x", "--quiet"])
     assert rc == 0
     r, files = read_result(tmp_path, "x")
     assert r["completed"] == 6 and r["failed"] == 0
-    assert r["output_lens"] == [6] * 6  # ignore_eos + min_tokens: exact lengths
+    assert r["output_lens"] == [4] * 6  # ignore_eos + min_tokens: exact lengths
     assert all(n > 16 for n in r["input_lens"])  # the server's count, chat template included
     assert r["mean_ttft_ms"] > 0 and r["mean_tpot_ms"] > 0 and r["output_throughput"] > 0
     assert "x-latency.png" in files
     rc = cli.main(["compare", "--target", f"a={xinfer_server}", "--target", f"b={xinfer_server}",
-                   "--num-requests", "2", "--concurrency", "2", "--input-len", "8", "--output-len", "3",
+                   "--num-requests", "2", "--concurrency", "2", "--input-len", "8", "--output-len", "2",
                    "--tokenizer", "words", "--warmup", "0", "--endpoint", "completions",
                    "--output-dir", str(tmp_path), "--result-name", "xc", "--no-plots", "--quiet"])
     assert rc == 0
