@@ -470,3 +470,25 @@ def test_serve_and_compare_against_xinfer(xinfer_server, tmp_path):
     r, _ = read_result(tmp_path, "xc")
     assert [t["summary"]["completed"] for t in r["targets"]] == [2, 2]
     assert r["targets"][1]["ratio"]["output_throughput"] > 0
+
+
+# ---------------------------------------------------------------- offline
+
+def test_offline_on_tiny_model(tiny_llama_path, tmp_path):
+    rc = cli.main(["offline", "--m", tiny_llama_path, "--num-seqs", "5", "--min-input-len", "4",
+                   "--max-input-len", "9", "--min-output-len", "2", "--max-output-len", "6", "--max-model-len", "64",
+                   "--kv-cache-gb", "0.01", "--output-dir", str(tmp_path), "--result-name", "off", "--quiet"])
+    assert rc == 0
+    r, files = read_result(tmp_path, "off")
+    assert "off-throughput.png" in files
+    assert r["mode"] == "offline" and r["completed"] == 5 and r["failed"] == 0
+    assert all(4 <= n <= 9 for n in r["input_lens"]) and all(2 <= n <= 6 for n in r["output_lens"])
+    assert r["total_output_tokens"] == sum(r["output_lens"]) and r["output_throughput"] > 0
+    assert r["mean_ttft_ms"] > 0 and r["engine_config"]["max_model_len"] == 64
+    # the original xInfer shape: N copies of one prompt, max_tokens clipped to fit the context
+    rc = cli.main(["offline", "--m", tiny_llama_path, "--batch", "3", "--input-len", "8", "--max-tokens", "1024",
+                   "--max-model-len", "20", "--kv-cache-gb", "0.01", "--output-dir", str(tmp_path),
+                   "--result-name", "batch", "--no-plots", "--quiet"])
+    assert rc == 0
+    r, _ = read_result(tmp_path, "batch")
+    assert r["input_lens"] == [8] * 3 and r["output_lens"] == [12] * 3
