@@ -354,6 +354,22 @@ def test_serve_sweep_completions_no_stream(fake, tmp_path):
     assert "prompt" in fake.requests[-1] and not fake.requests[-1]["stream"]
 
 
+def test_request_rate_and_duration(fake, tmp_path):
+    rc = cli.main(["serve", "--base-url", fake.url, "--request-rate", "20", "--arrival", "constant",
+                   "--num-requests", "5", "--output-len", "3", "--input-len", "4", "--tokenizer", "words",
+                   "--warmup", "0", "--output-dir", str(tmp_path), "--result-name", "rate", "--no-plots", "--quiet"])
+    assert rc == 0
+    r, _ = read_result(tmp_path, "rate")
+    gaps = [b - a for a, b in zip(r["start_times"], r["start_times"][1:])]
+    assert r["completed"] == 5 and all(0.03 < g < 0.2 for g in gaps)  # one every 50 ms
+    rc = cli.main(["serve", "--base-url", fake.url, "--request-rate", "40", "--duration", "1",
+                   "--output-len", "3", "--input-len", "4", "--tokenizer", "words", "--warmup", "0",
+                   "--output-dir", str(tmp_path), "--result-name", "dur", "--no-plots", "--quiet"])
+    assert rc == 0
+    r, _ = read_result(tmp_path, "dur")
+    assert 10 < r["completed"] < 80 and max(r["start_times"]) < 1.0 and r["duration"] < 3  # Poisson, ~40/s
+
+
 def test_errors_are_grouped(fake, tmp_path):
     rc = cli.main(["serve", "--base-url", fake.url, "--model", "nope", "--num-requests", "4", "--concurrency", "2",
                    "--tokenizer", "words", "--warmup", "0", "--output-dir", str(tmp_path), "--result-name", "err",
