@@ -216,7 +216,7 @@ class Engine:
         while self.has_unfinished():
             yield from self.step()
 
-    def generate(self, prompts, params=None, use_tqdm: bool = False) -> list[RequestOutput]:
+    def generate(self, prompts, params=None) -> list[RequestOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         order, outs = [], {}

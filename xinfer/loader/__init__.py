@@ -1,7 +1,6 @@
 """Model sources: resolve a model name, read its config and tokenizer, build and load the model."""
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -119,6 +118,3 @@ def _progress(weights, path):
         yield item
     log.info("loaded %d tensors from %s in %.1fs", n, Path(path).name, time.monotonic() - t0)
 
-
-def shipped_configs() -> dict[str, dict]:
-    return {p.stem: json.loads(p.read_text()) for p in CONFIGS_DIR.glob("*.json")}
