@@ -407,6 +407,8 @@ class QwenCoderToolParser(QwenToolParser):
     name = "qwen_coder"
 
     def _parse(self, body: str):
+        if "<function=" not in body:  # the model fell back to Hermes JSON
+            return super()._parse(body)
         calls, leftover = [], body
         for m in _FUNCTION.finditer(body):
             leftover = leftover.replace(m.group(0), "", 1)
@@ -438,6 +440,7 @@ class MistralToolParser(ToolParser):
     MARK = "[TOOL_CALLS]"
     starts = (MARK,)
     _NAME_END = re.compile(r"\s")
+    _NAME_MAX = 256
 
     def _section(self, buf, off, final):
         i = _skip_ws(buf, off + len(self.MARK))
@@ -451,12 +454,15 @@ class MistralToolParser(ToolParser):
             items = value if isinstance(value, list) else [value]
             calls = [_call_from(x) for x in items]
             return end, (calls if items and None not in calls else None)
-        j = buf.find("[ARGS]", i)
-        # names and call ids hold no whitespace: a space before [ARGS] means this is prose
-        bad = self._NAME_END.search(buf, i, j if j >= 0 else len(buf))
+        # a name (and call id) is short and holds no whitespace: anything else is prose
+        limit = i + self._NAME_MAX
+        j = buf.find("[ARGS]", i, limit + len("[ARGS]"))
+        bad = self._NAME_END.search(buf, i, j if j >= 0 else min(len(buf), limit))
         if bad:
             return bad.start(), None
         if j < 0:
+            if len(buf) >= limit + len("[ARGS]"):
+                return limit, None
             return (len(buf), None) if final else None
         name = buf[i:j].split("[CALL_ID]")[0]
         k = _skip_ws(buf, j + len("[ARGS]"))
