@@ -7,7 +7,6 @@ import re
 import time
 
 import msgspec
-
 import pytest
 
 from xinfer.parsers import (
@@ -107,45 +106,45 @@ W = "get_weather"
 
 SAMPLES = {
     "qwen": [
-        ("I'll check the weather in Tokyo for you.\n<tool_call>\n"
-         '{"name": "get_weather", "arguments": {"city": "東京", "days": 3}}\n</tool_call>',
+        (("I'll check the weather in Tokyo for you.\n<tool_call>\n"
+         '{"name": "get_weather", "arguments": {"city": "東京", "days": 3}}\n</tool_call>'),
          "I'll check the weather in Tokyo for you.\n", [(W, {"city": "東京", "days": 3})]),
-        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>\n'
-         '<tool_call>\n{"name": "search", "arguments": {"query": "Louvre hours 🎨"}}\n</tool_call>',
+        (('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>\n'
+         '<tool_call>\n{"name": "search", "arguments": {"query": "Louvre hours 🎨"}}\n</tool_call>'),
          "", [(W, {"city": "Paris", "unit": "celsius"}), ("search", {"query": "Louvre hours 🎨"})]),
         # bad JSON (missing brace): the whole block comes back as content
         ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}\n</tool_call>',
          '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}\n</tool_call>', []),
         # a broken block, then prose, then a good call (index 0: the broken one is no call)
-        ('<tool_call>\nnot json at all\n</tool_call>\nRetrying. <tool_call>\n'
-         '{"name": "search", "arguments": {"query": "x"}}\n</tool_call>\n',
+        (('<tool_call>\nnot json at all\n</tool_call>\nRetrying. <tool_call>\n'
+         '{"name": "search", "arguments": {"query": "x"}}\n</tool_call>\n'),
          "<tool_call>\nnot json at all\n</tool_call>\nRetrying. ", [("search", {"query": "x"})]),
         # cut off by max_tokens
         ('Sure.<tool_call>\n{"name": "get_weather", "argu', 'Sure.<tool_call>\n{"name": "get_weather", "argu', []),
         ("The answer is 42. <tool_ca", "The answer is 42. <tool_ca", []),
         ("Use a < b, <b>bold</b> and <tool>.", "Use a < b, <b>bold</b> and <tool>.", []),
         # arguments sent as an encoded string, and no arguments at all
-        ('<tool_call>\n{"name": "search", "arguments": "{\\"query\\": \\"q\\"}"}\n</tool_call>\n'
-         '<tool_call>\n{"name": "get_weather"}\n</tool_call>',
+        (('<tool_call>\n{"name": "search", "arguments": "{\\"query\\": \\"q\\"}"}\n</tool_call>\n'
+         '<tool_call>\n{"name": "get_weather"}\n</tool_call>'),
          "", [("search", {"query": "q"}), (W, {})]),
     ],
     "qwen_coder": [
-        ("I'll write the file.\n\n<tool_call>\n<function=write_file>\n<parameter=path>\n/tmp/a.py\n</parameter>\n"
-         '<parameter=content>\ndef f():\n    return "héllo"\n\n</parameter>\n</function>\n</tool_call>',
+        (("I'll write the file.\n\n<tool_call>\n<function=write_file>\n<parameter=path>\n/tmp/a.py\n</parameter>\n"
+         '<parameter=content>\ndef f():\n    return "héllo"\n\n</parameter>\n</function>\n</tool_call>'),
          "I'll write the file.\n\n",
          [("write_file", {"path": "/tmp/a.py", "content": 'def f():\n    return "héllo"\n'})]),
-        ("<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco\n</parameter>\n"
+        (("<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco\n</parameter>\n"
          "<parameter=days>\n5\n</parameter>\n</function>\n</tool_call>\n"
          "<tool_call>\n<function=search>\n<parameter=query>\n42\n</parameter>\n<parameter=limit>\n10\n</parameter>\n"
          "<parameter=exact>\nTrue\n</parameter>\n<parameter=score>\n0.5\n</parameter>\n"
          '<parameter=filters>\n{"lang": "en"}\n</parameter>\n<parameter=sites>\n["a.org", "b.org"]\n</parameter>\n'
-         "<parameter=extra>\n7\n</parameter>\n</function>\n</tool_call>",
+         "<parameter=extra>\n7\n</parameter>\n</function>\n</tool_call>"),
          "", [(W, {"city": "San Francisco", "days": 5}),
               ("search", {"query": "42", "limit": 10, "exact": True, "score": 0.5, "filters": {"lang": "en"},
                           "sites": ["a.org", "b.org"], "extra": "7"})]),
         # a value that does not convert stays text
-        ("<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
-         "<parameter=days>\na few\n</parameter>\n</function>\n</tool_call>",
+        (("<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
+         "<parameter=days>\na few\n</parameter>\n</function>\n</tool_call>"),
          "", [(W, {"city": "Oslo", "days": "a few"})]),
         ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n",
          "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n", []),
@@ -156,8 +155,8 @@ SAMPLES = {
     "llama": [
         ('{"name": "get_weather", "parameters": {"city": "São Paulo", "days": 2}}',
          "", [(W, {"city": "São Paulo", "days": 2})]),
-        ('<|python_tag|>{"name": "search", "parameters": {"query": "llama 3.1 release"}}; '
-         '{"name": "get_weather", "arguments": {"city": "Oslo"}}',
+        (('<|python_tag|>{"name": "search", "parameters": {"query": "llama 3.1 release"}}; '
+         '{"name": "get_weather", "arguments": {"city": "Oslo"}}'),
          "", [("search", {"query": "llama 3.1 release"}), (W, {"city": "Oslo"})]),
         ("The capital of France is Paris.", "The capital of France is Paris.", []),
         ('{"answer": 42, "unit": "m"}', '{"answer": 42, "unit": "m"}', []),
@@ -166,11 +165,11 @@ SAMPLES = {
         ("Answer: 3 <|python_t", "Answer: 3 <|python_t", []),
     ],
     "mistral": [
-        ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}, "id": "a1b2c3d4e"}, '
-         '{"name": "search", "arguments": {"query": "météo"}}]',
+        (('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}, "id": "a1b2c3d4e"}, '
+         '{"name": "search", "arguments": {"query": "météo"}}]'),
          "", [(W, {"city": "Paris", "unit": "celsius"}), ("search", {"query": "météo"})]),
-        ('Let me look that up.[TOOL_CALLS]get_weather[ARGS]{"city": "Zürich"}'
-         '[TOOL_CALLS]search[ARGS]{"query": "Zürich events", "limit": 5}',
+        (('Let me look that up.[TOOL_CALLS]get_weather[ARGS]{"city": "Zürich"}'
+         '[TOOL_CALLS]search[ARGS]{"query": "Zürich events", "limit": 5}'),
          "Let me look that up.", [(W, {"city": "Zürich"}), ("search", {"query": "Zürich events", "limit": 5})]),
         ('[TOOL_CALLS]get_weather[CALL_ID]Ab3dE5gH9[ARGS]{"city": "Rome"}', "", [(W, {"city": "Rome"})]),
         ("[TOOL_CALLS]Sorry, I cannot do that.", "[TOOL_CALLS]Sorry, I cannot do that.", []),
@@ -182,8 +181,8 @@ SAMPLES = {
          "[TOOL_CALLS]" + "x" * 300 + "[ARGS]{}", [("search", {"query": "q"})]),
     ],
     "pythonic": [
-        ("[get_weather(city=\"Köln\", days=3), search(query='best \"ramen\"', "
-         'filters={"lang": "ja", "open": True}, sites=["a.jp"], limit=None)]',
+        (("[get_weather(city=\"Köln\", days=3), search(query='best \"ramen\"', "
+         'filters={"lang": "ja", "open": True}, sites=["a.jp"], limit=None)]'),
          "", [(W, {"city": "Köln", "days": 3}),
               ("search", {"query": 'best "ramen"', "filters": {"lang": "ja", "open": True}, "sites": ["a.jp"],
                           "limit": None})]),
@@ -194,12 +193,12 @@ SAMPLES = {
         ('[get_weather("Oslo")]', '[get_weather("Oslo")]', []),
     ],
     "deepseek": [
-        ("我来查一下。<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+        (("我来查一下。<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
          '{"city": "北京"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>search\n```json\n'
-         '{"query": "天气"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+         '{"query": "天气"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
          "我来查一下。", [(W, {"city": "北京"}), ("search", {"query": "天气"})]),
-        ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}'
-         "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", "", [(W, {"city": "Paris"})]),
+        (('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}'
+         "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"), "", [(W, {"city": "Paris"})]),
         # the model stopped after the last call, before the section's closing marker
         ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Lyon"}<｜tool▁call▁end｜>',
          "", [(W, {"city": "Lyon"})]),
@@ -229,6 +228,20 @@ CASES = [(family, i, *sample) for family, samples in SAMPLES.items() for i, samp
 @pytest.mark.parametrize("family,i,text,content,calls", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
 def test_recorded_outputs(family, i, text, content, calls):
     check(family, text, content, calls)
+
+
+@pytest.mark.parametrize("family", sorted(SAMPLES))
+def test_mixed_outputs_agree_across_chunkings(family):
+    """Samples glued together (with prose between) have no expected answer written down, but
+    every chunking must agree with the whole parse."""
+    rng = random.Random(family)
+    texts = [t for t, _, _ in SAMPLES[family]]
+    for _ in range(12):
+        text = rng.choice(["", "Okay. ", "\n"]).join(rng.sample(texts, min(3, len(texts))))
+        cls = get_tool_parser(family)
+        want = run(cls(tools=TOOLS, id_prefix=PREFIX), [text])
+        for label, chunks in chunkings(text):
+            assert run(cls(tools=TOOLS, id_prefix=PREFIX), chunks) == want, (label, text)
 
 
 def test_registry_and_errors():
@@ -471,3 +484,22 @@ def test_reasoning_streams_early_and_holds_split_markers():
     assert p.feed("\nHi <") == ("", "Hi ")
     assert p.feed("b>") == ("", "<b>")
     assert p.finish() == ("", "")
+
+
+def test_reasoning_then_tools_chain():
+    """The parser process runs reasoning first and feeds its content to the tool parser."""
+    text = ("<think>\nThe user wants Tokyo's weather; call get_weather.\n</think>\n\n"
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "東京"}}\n</tool_call>')
+    for label, chunks in chunkings(text):
+        rp, tp = ReasoningParser(), get_tool_parser("qwen")(tools=TOOLS, id_prefix=PREFIX)
+        reasoning, content, deltas = "", "", []
+        for chunk in chunks:
+            r, c = rp.feed(chunk)
+            c, d = tp.feed(c)
+            reasoning, content, deltas = reasoning + r, content + c, deltas + d
+        r, c = rp.finish()
+        c, d = tp.feed(c)
+        c2, d2 = tp.finish()
+        reasoning, content, deltas = reasoning + r, content + c + c2, deltas + d + d2
+        assert reasoning == "\nThe user wants Tokyo's weather; call get_weather.\n", label
+        assert content == "" and assemble(deltas) == [(PREFIX + "-0", W, '{"city": "東京"}')], label

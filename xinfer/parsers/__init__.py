@@ -1,5 +1,9 @@
 """Tool-call and reasoning parsers: pure Python, incremental (feed chunks, then finish)."""
-from xinfer.parsers.reasoning import ReasoningParser, reasoning_markers, starts_in_reasoning
+from xinfer.parsers.reasoning import (
+    ReasoningParser,
+    reasoning_markers,
+    starts_in_reasoning,
+)
 from xinfer.parsers.schema import check_arguments
 from xinfer.parsers.tools import (
     TOOL_PARSERS,

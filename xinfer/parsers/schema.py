@@ -24,9 +24,9 @@ def _check(value, schema, path: str) -> str | None:
     if not isinstance(schema, dict) or not schema:
         return None
     for key in ("anyOf", "oneOf"):
-        if isinstance(schema.get(key), list):
-            if all(_check(value, s, path) is not None for s in schema[key]):
-                return f"{path}: matches none of {key}"
+        options = schema.get(key)
+        if isinstance(options, list) and all(_check(value, s, path) is not None for s in options):
+            return f"{path}: matches none of {key}"
     t = schema.get("type")
     if t is not None:
         allowed = t if isinstance(t, list) else [t]

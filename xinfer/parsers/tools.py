@@ -86,11 +86,12 @@ def _load_args(text: str) -> dict | None:
     return args if isinstance(args, dict) else None
 
 
+_PAIRS = {"[": "]", "{": "}", "(": ")"}
+
+
 class _Balance:
     """Finds where a bracketed value that starts at `start` ends, resumably (each feed scans
     only the new text). Mismatched brackets end it early, so broken text fails fast."""
-    _PAIRS = {"[": "]", "{": "}", "(": ")"}
-
     def __init__(self, start: int, quotes: str = '"'):
         self.i, self.quotes = start, quotes
         self.stack: list[str] = []
@@ -111,10 +112,11 @@ class _Balance:
                     self.quote = None
             elif c in self.quotes:
                 self.quote = c
-            elif c in self._PAIRS:
-                self.stack.append(self._PAIRS[c])
-            elif c in ")]}" or not self.stack:
-                if not self.stack or self.stack.pop() != c or not self.stack:
+            elif c in _PAIRS:
+                self.stack.append(_PAIRS[c])
+            elif c in ")]}":
+                expected = self.stack.pop() if self.stack else None
+                if c != expected or not self.stack:  # a mismatch ends it too, to fail parsing
                     return self.i
         return -1
 
@@ -123,6 +125,11 @@ _BAD = object()  # a complete value that is not what we wanted
 
 
 class ToolParser:
+    """One request choice's output, fed as it streams: `feed(text)` and at the end `finish()`
+    each return (content delta, [ToolCallDelta]). A call comes out as one delta (id, name and
+    its whole arguments JSON) once it is complete; text that is not a well-formed call comes out
+    as content, verbatim. `prefix` is text already placed in the prompt by `forced_prefix`: it
+    is parsed as the output's start but never returned as content."""
     name = "base"
     starts: tuple[str, ...] = ()  # markers that open a call section anywhere
     leading = ""  # characters that open a section at a gap (the output's start, after a call)
@@ -366,8 +373,8 @@ class QwenToolParser(ToolParser):
         return '<tool_call>\n{"name": ' + json.dumps(function_name, ensure_ascii=False) + ', "arguments": '
 
 
-_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|\Z)", re.S)
-_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.S)
+_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|\Z)", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.DOTALL)
 
 
 def _convert(value: str, schema) -> object:
@@ -418,8 +425,8 @@ class QwenCoderToolParser(QwenToolParser):
             for p in _PARAMETER.finditer(m.group(2)):
                 key, value = p.group(1).strip(), p.group(2)
                 # the template writes "<parameter=P>\nVALUE\n</parameter>": those two newlines go
-                value = value[1:] if value.startswith("\n") else value
-                value = value[:-1] if value.endswith("\n") else value
+                value = value.removeprefix("\n")
+                value = value.removesuffix("\n")
                 args[key] = _convert(value, props.get(key))
             calls.append((name, args))
         if not calls or leftover.strip():
