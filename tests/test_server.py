@@ -124,10 +124,11 @@ def test_worker_killed_mid_stream_loses_no_request(server):
     from openai import OpenAI
     base = server[0]
     client = OpenAI(base_url=base + "/v1", api_key="none")
+    model = client.models.list().data[0].id
     msgs = [[{"role": "user", "content": f"Count from {i} to {i + 20}."}] for i in range(16)]
 
     def ask(m):
-        s = client.chat.completions.create(model="x", messages=m, max_tokens=40, temperature=0, stream=True)
+        s = client.chat.completions.create(model=model, messages=m, max_tokens=40, temperature=0, stream=True)
         return "".join(c.choices[0].delta.content or "" for c in s if c.choices)
 
     with cf.ThreadPoolExecutor(16) as pool:
@@ -150,9 +151,10 @@ def test_sigterm_drains_in_flight_requests():
     proc, base, _ = start_server("--kv-cache-gb", "0.2", "--drain-timeout", "120")
     children = _descendants(proc.pid)
     client = OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
 
     def ask(i):
-        s = client.chat.completions.create(model="x", messages=[{"role": "user", "content": f"Story {i}"}],
+        s = client.chat.completions.create(model=model, messages=[{"role": "user", "content": f"Story {i}"}],
                                            max_tokens=48, temperature=0, stream=True,
                                            extra_body={"ignore_eos": True})
         chunks = [c for c in s if c.choices]
@@ -289,9 +291,10 @@ def test_64_concurrent_streams_match_offline(server, smollm_path):
     from xinfer import Engine, EngineConfig, SamplingParams
     chats = [[{"role": "user", "content": f"Give me a fun fact about the number {i}."}] for i in range(64)]
     client = OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
 
     def ask(m):
-        s = client.chat.completions.create(model="x", messages=m, max_tokens=12, temperature=0, stream=True)
+        s = client.chat.completions.create(model=model, messages=m, max_tokens=12, temperature=0, stream=True)
         return "".join(c.choices[0].delta.content or "" for c in s if c.choices)
 
     with cf.ThreadPoolExecutor(64) as pool:
@@ -308,10 +311,11 @@ def test_detokenizer_or_parser_killed_mid_stream_loses_no_text(server, victim):
     import concurrent.futures as cf
     from openai import OpenAI
     client = OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
     msgs = [[{"role": "user", "content": f"Describe the colour {c}."}] for c in range(16)]
 
     def ask(m):
-        s = client.chat.completions.create(model="x", messages=m, max_tokens=40, temperature=0, stream=True,
+        s = client.chat.completions.create(model=model, messages=m, max_tokens=40, temperature=0, stream=True,
                                            stream_options={"include_usage": True})
         chunks = list(s)
         return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].usage

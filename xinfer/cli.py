@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import time
 
@@ -79,7 +80,9 @@ def cmd_serve(args) -> int:
     from xinfer.api.server import serve
 
     serve(engine_config(args), args.host, args.port, args.log_level, args.max_queued_requests,
-          args.drain_timeout)
+          args.drain_timeout, api_key=args.api_key or os.environ.get("XINFER_API_KEY") or None,
+          max_n=args.max_n, max_request_bytes=args.max_request_bytes, enforce_parser=args.enforce_parser,
+          disable_reasoning=args.disable_reasoning)
     return 0
 
 
@@ -108,6 +111,16 @@ def main(argv=None) -> int:
                    help="requests waiting beyond --max-num-seqs before new ones get 503")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT: seconds in-flight requests may take to finish")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /, /health and /metrics "
+                        "(or set XINFER_API_KEY)")
+    s.add_argument("--max-n", type=int, default=16, help="largest n (choices per request) accepted")
+    s.add_argument("--max-request-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
+    s.add_argument("--enforce-parser", default=None,
+                   help="tool-call parser (json, qwen, qwen_coder, llama, mistral, pythonic, deepseek, "
+                        "passthrough); default: chosen from the model's chat template and architecture")
+    s.add_argument("--disable-reasoning", action="store_true",
+                   help="requests think only when they ask to (the default of their 'thinking' flag)")
     s.set_defaults(func=cmd_serve)
 
     args = parser.parse_args(argv)

@@ -30,6 +30,7 @@ class RequestOutput:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     logprobs: list | None = None  # per token: (logprob, [(token id, logprob), ...])
+    prompt_logprobs: list | None = None  # per prompt token: None for the first, then as logprobs
     queued_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
@@ -44,6 +45,9 @@ class Delta:
     token_ids: list[int]
     text: str
     finish_reason: str | None
+    logprobs: list | None = None  # per new token, when asked: (logprob, [(token id, logprob), ...])
+    prompt_logprobs: list | None = None  # with the first delta, when asked: None for token 0, then entries
+    queue_time: float = 0.0  # with the last delta: seconds from arrival to first scheduled
 
 
 class Engine:
@@ -109,7 +113,7 @@ class Engine:
             if self.tokenizer is not None and self.detokenize:
                 self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
                                                                   params.skip_special_tokens)
-        if max_tokens == 0:
+        if max_tokens == 0 and params.prompt_logprobs is None:
             for s in seqs:
                 s.status, s.finish_reason, s.finish_time = FINISHED, "length", time.time()
             self._zero.extend(seqs)
@@ -159,17 +163,25 @@ class Engine:
         for seq, tok in self.scheduler.update(result):
             reason = seq.finish_reason
             text = ""
+            toks = [] if tok is None else [tok]
             det = self._detok.get(seq.seq_id)
             if det is not None:
-                text = det.add([tok])
+                text = det.add(toks)
                 if det.stopped is not None and reason is None:
                     self.scheduler.abort(seq.seq_id, "stop")  # the detokenizer found a stop string
                     reason = "stop"
                 if reason:
                     text += det.flush()
-            deltas.append(Delta(seq.seq_id, seq.request_id, self._meta[seq.seq_id][0], [tok], text, reason))
-            self.num_generation_tokens += 1
-            if len(seq.output_ids) == 1:
+            d = Delta(seq.seq_id, seq.request_id, self._meta[seq.seq_id][0], toks, text, reason)
+            if seq.params.logprobs is not None and toks:
+                d.logprobs = seq.logprobs[-1:]
+            if seq.params.prompt_logprobs is not None and len(seq.output_ids) <= 1:
+                d.prompt_logprobs = [None] + seq.prompt_logprobs
+            if reason and seq.scheduled_time is not None:
+                d.queue_time = max(0.0, seq.scheduled_time - seq.arrival_time)
+            deltas.append(d)
+            self.num_generation_tokens += len(toks)
+            if len(seq.output_ids) <= 1 and (toks or reason):
                 self.num_prompt_tokens += len(seq.prompt_ids)
                 self.num_cached_prompt_tokens += seq.num_cached_tokens or 0
             if reason:
@@ -244,6 +256,7 @@ class Engine:
         return RequestOutput(seq.seq_id, seq.request_id, seq.prompt_ids, list(seq.output_ids), text,
                              seq.finish_reason, seq.num_cached_tokens or 0,
                              seq.logprobs if seq.params.logprobs is not None else None,
+                             [None] + seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
                              seq.arrival_time, seq.first_token_time, seq.finish_time)
 
     def _params_list(self, params, n):

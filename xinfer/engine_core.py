@@ -131,7 +131,8 @@ class EngineCore:
         self.start_pipeline()
         self.new_inits = []
         inits = [s["init"] for s in self.live.values()]
-        deltas = [TokenDelta(sid, pack_ids(s["tokens"]), s["finish"], s["cached"]) for sid, s in self.live.items()]
+        deltas = [TokenDelta(sid, pack_ids(s["tokens"]), s["finish"], s["cached"], s["logprobs"],
+                             s["prompt_logprobs"], s["queue_time"]) for sid, s in self.live.items()]
         self._send_detok(TokenBatch(inits, deltas, resync=True))
         return True
 
@@ -165,9 +166,16 @@ class EngineCore:
                     continue
                 s["tokens"].extend(d.token_ids)
                 s["cached"] = engine.get_num_cached_tokens_for_seq(d.seq_id)
+                if d.logprobs is not None:
+                    s["logprobs"] = s["logprobs"] or []
+                    s["logprobs"].extend(d.logprobs)
+                if d.prompt_logprobs is not None:
+                    s["prompt_logprobs"] = d.prompt_logprobs
+                s["queue_time"] = d.queue_time
                 if d.finish_reason:
                     self._done(s, d.finish_reason)
-                out.append(TokenDelta(d.seq_id, pack_ids(d.token_ids), d.finish_reason, s["cached"]))
+                out.append(TokenDelta(d.seq_id, pack_ids(d.token_ids), d.finish_reason, s["cached"], d.logprobs,
+                                      d.prompt_logprobs, d.queue_time))
             self._send_tokens(out)
 
     def _handle(self, engine, msg) -> None:
@@ -181,9 +189,10 @@ class EngineCore:
             tail = pack_ids(ids[-_PROMPT_TAIL:])
             for index, sid in enumerate(seq_ids):
                 init = SeqInit(sid, msg.request_id, index, tail, list(msg.params.stop),
-                               msg.params.skip_special_tokens)
+                               msg.params.skip_special_tokens, msg.parse)
                 self.live[sid] = {"init": init, "tokens": [], "finish": None, "cached": 0, "done_at": None,
-                                  "request_id": msg.request_id}
+                                  "request_id": msg.request_id, "logprobs": None, "prompt_logprobs": None,
+                                  "queue_time": 0.0}
                 self.new_inits.append(init)
         elif isinstance(msg, Abort):
             gone = [sid for sid, s in self.live.items() if s["request_id"] == msg.request_id and not s["finish"]]

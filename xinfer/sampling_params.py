@@ -23,6 +23,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives per sampled token (0: just the chosen one)
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (echo)
     skip_special_tokens: bool = True
 
     @property
@@ -54,8 +55,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
         if not 0.0 < self.repetition_penalty <= 2.0:
             bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= 20:
+                bad(name, f"must be in [0, 20], got {v}")
         if vocab_size is not None:
             for tid in list(self.stop_token_ids) + list((self.logit_bias or {}).keys()):
                 if not 0 <= int(tid) < vocab_size:

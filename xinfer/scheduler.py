@@ -31,6 +31,8 @@ class Sequence:
     arrival_time: float = field(default_factory=time.time)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)  # for prompt tokens 1.. (token 0 has none)
+    scheduled_time: float | None = None  # first admitted to the running batch
     status: str = WAITING
     num_computed: int = 0
     block_ids: list[int] = field(default_factory=list)
@@ -110,7 +112,8 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            matched = not seq.block_ids
+            # Cached blocks have no logits: a sequence that scores its prompt computes it all.
+            matched = not seq.block_ids and seq.params.prompt_logprobs is None
             if matched:
                 self._match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed, chunk, budget)
@@ -122,6 +125,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = RUNNING
+            if seq.scheduled_time is None:
+                seq.scheduled_time = time.time()
             self.running.append(seq)
             if not seq.on_worker:
                 seq.on_worker = True
@@ -206,6 +211,10 @@ class Scheduler:
                 seq.num_computed += n
                 self._register_full_blocks(seq)
         self._inflight = []
+        for sid, first, entries in result.prompt_logprobs:
+            seq = self.seqs.get(sid)
+            if seq is not None and len(seq.prompt_logprobs) + 1 == first:  # not again after a recompute
+                seq.prompt_logprobs.extend(entries)
         now = time.time()
         out = []
         lps = result.logprobs or [None] * len(result.seq_ids)
@@ -213,6 +222,10 @@ class Scheduler:
             seq = self.seqs.get(sid)
             if seq is None or seq.status != RUNNING:
                 continue  # aborted while the step ran
+            if seq.max_tokens == 0:  # ran only to score the prompt
+                self._finish(seq, "length")
+                out.append((seq, None))
+                continue
             seq.output_ids.append(tok)
             if lp is not None:
                 seq.logprobs.append(lp)

@@ -8,6 +8,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from xinfer.ipc.api import Stats
 
 _BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+FINISH_REASONS = ("stop", "length", "abort")
 
 
 class Metrics:
@@ -19,12 +22,33 @@ class Metrics:
         labels = ["model_name"]
         self.ttft = Histogram("xinfer:time_to_first_token_seconds", "Time to first token", labels,
                               buckets=_BUCKETS, registry=self.registry)
+        self.itl = Histogram("xinfer:inter_token_latency_seconds", "Time between output tokens of a request",
+                             labels, buckets=_ITL_BUCKETS, registry=self.registry)
         self.e2e = Histogram("xinfer:e2e_request_latency_seconds", "End-to-end request latency", labels,
                              buckets=_BUCKETS, registry=self.registry)
+        self.queue = Histogram("xinfer:request_queue_time_seconds", "Time from arrival to first scheduled",
+                               labels, buckets=_BUCKETS, registry=self.registry)
+        self.prompt_tokens = Histogram("xinfer:request_prompt_tokens", "Prompt tokens per request", labels,
+                                       buckets=_TOKEN_BUCKETS, registry=self.registry)
+        self.generation_tokens = Histogram("xinfer:request_generation_tokens", "Generated tokens per request",
+                                           labels, buckets=_TOKEN_BUCKETS, registry=self.registry)
         self.finished = Counter("xinfer:request_success", "Finished requests by finish reason",
                                 labels + ["finished_reason"], registry=self.registry)
         self.rejected = Counter("xinfer:request_rejected", "Requests refused with 503 (loading, draining, full)",
                                 labels, registry=self.registry)
+        # Every family is exported before any traffic (dashboards and alerts expect the series).
+        for h in (self.ttft, self.itl, self.e2e, self.queue, self.prompt_tokens, self.generation_tokens,
+                  self.rejected):
+            h.labels(model_name)
+        for r in FINISH_REASONS:
+            self.finished.labels(model_name, r)
+
+    def request_done(self, reason: str, prompt_tokens: int, generation_tokens: int, queue_time: float) -> None:
+        """One choice finished (each of a request's n choices counts as a request, as in vLLM)."""
+        self.finished.labels(self.model, "stop" if reason == "abort" else reason).inc()
+        self.prompt_tokens.labels(self.model).observe(prompt_tokens)
+        self.generation_tokens.labels(self.model).observe(generation_tokens)
+        self.queue.labels(self.model).observe(queue_time)
 
     def collect(self):
         s, m = self.stats, [self.model]
@@ -38,7 +62,8 @@ class Metrics:
         for name, doc, value in (
                 ("xinfer:prompt_tokens", "Prompt tokens processed", s.prompt_tokens),
                 ("xinfer:generation_tokens", "Tokens generated", s.generation_tokens),
-                ("xinfer:prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+                ("xinfer:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", s.prompt_tokens),
+                ("xinfer:prefix_cache_hits", "Prompt tokens served from the prefix cache",
                  s.prefix_cache_hit_tokens),
                 ("xinfer:num_preemptions", "Sequences preempted for KV space", s.preemptions),
                 ("xinfer:worker_restarts", "Model worker restarts", s.worker_restarts)):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import hmac
 import logging
 import multiprocessing as mp
 import os
@@ -10,6 +12,7 @@ import shutil
 import signal
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
@@ -17,16 +20,20 @@ import zmq.asyncio
 from sanic import Sanic, response
 from sanic.exceptions import SanicException
 
+from xinfer import __version__
 from xinfer.api.metrics import Metrics
-from xinfer.api.protocol import (ApiError, chat_prompt, completion_prompts, parse_body, sampling_params,
-                                 usage)
+from xinfer.api.protocol import (ApiError, chat_text, completion_prompts, parse_body, parse_tools,
+                                 sampling_params, usage)
+from xinfer.api.responses import (ChoiceState, TokenStrings, chat_delta, chat_logprobs, completion_logprobs,
+                                  merge_completion_logprobs)
 from xinfer.config import EngineConfig
 from xinfer.engine_core import run_engine_core
 from xinfer.errors import InvalidRequestError
 from xinfer.ipc.api import Abort, FromEngine, GenerateRequest, Ready, RequestError, Stats, ToEngine
-from xinfer.ipc.text import TextBatch
+from xinfer.ipc.text import ParseSpec, TextBatch
+from xinfer.parsers import choose_tool_parser, get_tool_parser, reasoning_markers, starts_in_reasoning
 from xinfer.ipc.channels import Codec, endpoint, runtime_dir, socket
-from xinfer.ipc.step import pack_ids
+from xinfer.ipc.step import pack_ids, unpack_ids
 from xinfer.loader import load_model_info
 
 log = logging.getLogger("xinfer.api")
@@ -81,40 +88,51 @@ class EngineClient:
                 await asyncio.sleep(0.2)  # let streams send their error event
                 self.on_death()
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params):
-        """Yield the TextDeltas of one request until all its choices finish."""
+    async def generate(self, request_id: str, prompt_ids: list[int], params, parse=None,
+                       keepalive: float | None = None):
+        """Yield the TextDeltas of one request until all its choices finish, trimmed of what was
+        already sent (a restarted detokenizer/parser resends); None after `keepalive` s of silence."""
         if self.dead:
             raise RuntimeError("the engine stopped")
         q: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = q
         remaining = params.n
-        m, start, first = self.metrics, time.monotonic(), True
-        seen = [0] * params.n  # characters received per choice: resends after a restart are trimmed
+        m, start = self.metrics, time.monotonic()
+        seen = [_Seen() for _ in range(params.n)]
         finished = set()
+        first, last = True, start
         try:
-            await self.push.send(self.tx.encode(GenerateRequest(request_id, pack_ids(prompt_ids), params)))
+            await self.push.send(self.tx.encode(GenerateRequest(request_id, pack_ids(prompt_ids), params, parse)))
             while remaining:
-                item = await q.get()
+                try:
+                    item = await asyncio.wait_for(q.get(), keepalive)
+                except asyncio.TimeoutError:
+                    yield None
+                    continue
                 if isinstance(item, Exception):
                     raise item
                 if item.index in finished:
                     continue
-                end = item.offset + len(item.text)
-                if item.offset < seen[item.index]:
-                    item.text = item.text[seen[item.index] - item.offset:]
-                seen[item.index] = max(seen[item.index], end)
-                if first:
-                    m.ttft.labels(m.model).observe(time.monotonic() - start)
-                    first = False
+                new_tokens = seen[item.index].trim(item)
+                now = time.monotonic()
+                if new_tokens:
+                    if first:
+                        m.ttft.labels(m.model).observe(now - start)
+                        new_tokens -= 1
+                        first = False
+                    for _ in range(new_tokens):  # tokens that arrive together: spread over the gap
+                        m.itl.labels(m.model).observe((now - last) / new_tokens)
+                    last = now
                 if item.finish_reason:
                     finished.add(item.index)
                     remaining -= 1
-                    m.finished.labels(m.model, item.finish_reason).inc()
+                    m.request_done(item.finish_reason, len(prompt_ids), item.total_tokens, item.queue_time)
                 yield item
             m.e2e.labels(m.model).observe(time.monotonic() - start)
         finally:
             self.queues.pop(request_id, None)
             if remaining:  # the client went away (or an error): free the request's KV blocks now
+                m.finished.labels(m.model, "abort").inc(remaining)
                 await self.push.send(self.tx.encode(Abort(request_id)))
 
     def close(self):
@@ -124,12 +142,27 @@ class EngineClient:
         shutil.rmtree(self.rundir, ignore_errors=True)
 
 
+@dataclass
+class ApiOptions:
+    """`xinfer serve` flags of the API process (the engine's are in EngineConfig)."""
+    api_key: str | None = None  # when set, every route but /, /health and /metrics needs it
+    max_n: int = 16
+    max_request_bytes: int = 8 << 20
+    enforce_parser: str | None = None  # tool-call parser; None: chosen from the model
+    disable_reasoning: bool = False  # the default of a request's `thinking` flag
+    keepalive_s: float = 15.0  # SSE comment after this long without output
+
+
 def create_app(config: EngineConfig, log_level: str = "info", max_queued_requests: int = 256,
-               drain_timeout: float = 30.0) -> Sanic:
+               drain_timeout: float = 30.0, **options) -> Sanic:
+    opts = ApiOptions(**options)
     app = Sanic("xinfer")
     app.ctx.draining = False
-    app.config.RESPONSE_TIMEOUT = 3600
+    # No response timeout cuts a long generation; bodies and headers are kept small.
+    app.config.RESPONSE_TIMEOUT = 7 * 24 * 3600
     app.config.KEEP_ALIVE_TIMEOUT = 75
+    app.config.REQUEST_MAX_SIZE = opts.max_request_bytes
+    app.config.REQUEST_MAX_HEADER_SIZE = 8192
     info = load_model_info(config.model, config.load_format)  # tokenizer and config only, no weights
     tok = info.tokenizer
     model_name = info.name
@@ -137,6 +170,13 @@ def create_app(config: EngineConfig, log_level: str = "info", max_queued_request
     max_model_len = config.max_model_len or min(ctx_len, 4096)
     metrics = Metrics(model_name)
     config.max_model_len = max_model_len
+    vocab_size = info.config["vocab_size"]
+    template = tok.chat_template if tok is not None else None
+    arch = (info.config.get("architectures") or [None])[0]
+    tool_parser = choose_tool_parser(arch, template, opts.enforce_parser)  # ValueError names the valid ones
+    markers = reasoning_markers(template)
+    strs = TokenStrings(tok)
+    log.info("tool-call parser %s, reasoning markers %s", tool_parser, markers)
 
     @app.before_server_start
     async def start(app):
@@ -184,14 +224,30 @@ def create_app(config: EngineConfig, log_level: str = "info", max_queued_request
     @app.exception(SanicException)
     async def sanic_error(request, e):
         status = getattr(e, "status_code", 500)
-        return response.json(ApiError(str(e), status=status, kind="invalid_request_error"
-                                      if status < 500 else "server_error").body(), status=status)
+        kind = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}.get(
+            status, "invalid_request_error" if status < 500 else "server_error")
+        return response.json(ApiError(str(e), status=status, kind=kind).body(), status=status)
 
     @app.exception(Exception)
     async def unexpected(request, e):
         log.exception("request failed")
         return response.json(ApiError(str(e) or type(e).__name__, status=500, kind="server_error").body(),
                              status=500)
+
+    def protected(handler):
+        """The API key check, decided by the route itself (never by a URL rebuilt from headers)."""
+        if not opts.api_key:
+            return handler
+        want = ("Bearer " + opts.api_key).encode()
+
+        @functools.wraps(handler)
+        async def check(request, *args, **kwargs):
+            got = (request.headers.get("authorization") or "").encode()
+            if not hmac.compare_digest(got, want):
+                raise ApiError("invalid or missing API key (send 'Authorization: Bearer <key>')", status=401,
+                               kind="authentication_error", code="invalid_api_key")
+            return await handler(request, *args, **kwargs)
+        return check
 
     @app.get("/")
     async def index(request):
@@ -208,32 +264,68 @@ def create_app(config: EngineConfig, log_level: str = "info", max_queued_request
     async def prometheus(request):
         return response.raw(metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.get("/version")
+    @protected
+    async def version(request):
+        return response.json({"version": __version__})
+
     @app.get("/v1/models")
+    @protected
     async def models(request):
         return response.json({"object": "list", "data": [_model_card(model_name, max_model_len)]})
 
     @app.get("/v1/models/<model_id:path>")
+    @protected
     async def model(request, model_id):
-        if model_id != model_name:
-            raise ApiError(f"model {model_id!r} not found", status=404, kind="not_found_error", code="model_not_found")
+        _check_model(model_id)
         return response.json(_model_card(model_name, max_model_len))
 
-    async def _prepare(request, chat: bool):
-        _admit()
+    def _check_model(name):
+        if name is not None and name != model_name:
+            raise ApiError(f"the model {name!r} does not exist; this server serves {model_name!r}", status=404,
+                           kind="not_found_error", param="model", code="model_not_found")
+
+    @app.post("/tokenize")
+    @protected
+    async def tokenize(request):
         body = parse_body(request)
         loop = asyncio.get_running_loop()
-        if chat:
-            prompts = [await loop.run_in_executor(None, chat_prompt, tok, body)]
+        if body.get("messages") is not None:
+            tools, _ = parse_tools(body)
+            text = await loop.run_in_executor(None, chat_text, tok, body, tools, not opts.disable_reasoning)
+            ids = tok.encode(text, add_special_tokens=bool(body.get("add_special_tokens", False)))
+        elif isinstance(body.get("prompt"), str):
+            ids = await loop.run_in_executor(None, functools.partial(
+                tok.encode, body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True))))
         else:
-            prompts = await loop.run_in_executor(None, completion_prompts, tok, body, info.config["vocab_size"])
-        params = sampling_params(body, info.config["vocab_size"])
-        for ids in prompts:
-            room = max_model_len - len(ids)
-            if params.max_tokens is not None and params.max_tokens > room or room < 1:
-                raise ApiError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                               f"model's context length ({max_model_len})", param="max_tokens",
-                               code="context_length_exceeded")
-        return body, prompts, params
+            raise ApiError("send 'prompt' (a string) or 'messages'", param="prompt")
+        out = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
+        if body.get("return_token_strs"):
+            out["token_strs"] = [strs(t) for t in ids]
+        return response.json(out)
+
+    @app.post("/detokenize")
+    @protected
+    async def detokenize(request):
+        body = parse_body(request)
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ApiError("'tokens' must be a list of token ids", param="tokens")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ApiError(f"unknown token id {bad[0]} (vocabulary size {vocab_size})", param="tokens")
+        skip = bool(body.get("skip_special_tokens", True))
+        return response.json({"prompt": tok.decode(ids, skip_special_tokens=skip)})
+
+    @app.get("/tokenizer_info")
+    @protected
+    async def tokenizer_info(request):
+        return response.json({
+            "model": model_name, "vocab_size": vocab_size, "max_model_len": max_model_len,
+            "bos_token": tok.bos_token or None, "bos_token_id": tok.bos_token_id,
+            "eos_token": tok.eos_token or None, "eos_token_ids": tok.eos_token_ids,
+            "add_bos_token": tok.add_bos, "chat_template": template,
+            "tool_parser": tool_parser, "reasoning_markers": list(markers) if markers else None})
 
     def _admit():
         """503 with Retry-After while loading, draining or past the queue limit."""
@@ -248,46 +340,141 @@ def create_app(config: EngineConfig, log_level: str = "info", max_queued_request
         raise ApiError(f"the server is {why}; retry later", status=503, kind="service_unavailable",
                        retry_after=retry)
 
+    def _check_room(prompts, params):
+        for ids in prompts:
+            room = max_model_len - len(ids)
+            if params.max_tokens is not None and params.max_tokens > room or room < 1:
+                raise ApiError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                               f"model's context length ({max_model_len})", param="max_tokens",
+                               code="context_length_exceeded")
+
+    def _chat_prepare(body):
+        """(prompt ids, what the parser process does with the output) for a chat request."""
+        tools, choice = parse_tools(body)
+        text = chat_text(tok, body, tools, not opts.disable_reasoning)
+        spec = ParseSpec(reasoning=markers, id_prefix="call_" + uuid.uuid4().hex[:24])
+        if choice is not None:
+            # A model whose template has no call format of its own is asked for plain JSON.
+            spec.tool_parser = tool_parser if tool_parser != "passthrough" else "json"
+            spec.tools = tools
+            if choice != "auto":
+                prefix = get_tool_parser(spec.tool_parser).forced_prefix(None if choice == "required" else choice)
+                if prefix:
+                    spec.prefix = prefix
+                    text += prefix
+        spec.in_reasoning = bool(markers) and starts_in_reasoning(text, markers)
+        return tok.encode(text, add_special_tokens=False), spec
+
     @app.post("/v1/chat/completions")
+    @protected
     async def chat_completions(request):
-        body, prompts, params = await _prepare(request, chat=True)
-        return await _respond(request, body, prompts, params, chat=True)
+        _admit()
+        body = parse_body(request)
+        _check_model(body.get("model"))
+        params = sampling_params(body, vocab_size, chat=True, max_n=opts.max_n)
+        ids, spec = await asyncio.get_running_loop().run_in_executor(None, _chat_prepare, body)
+        _check_room([ids], params)
+        return await _respond(request, body, [ids], params, spec, chat=True)
 
     @app.post("/v1/completions")
+    @protected
     async def completions(request):
-        body, prompts, params = await _prepare(request, chat=False)
-        return await _respond(request, body, prompts, params, chat=False)
+        _admit()
+        body = parse_body(request)
+        _check_model(body.get("model"))
+        params = sampling_params(body, vocab_size, chat=False, max_n=opts.max_n)
+        prompts = await asyncio.get_running_loop().run_in_executor(None, completion_prompts, tok, body, vocab_size)
+        _check_room(prompts, params)
+        return await _respond(request, body, prompts, params, None, chat=False)
 
-    async def _respond(request, body, prompts, params, chat: bool):
+    async def _merged(c, rid, prompts, params, spec):
+        """Every prompt's choices at once: (global choice index, TextDelta or None for keep-alive)."""
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def run(p_i, ids):
+            try:
+                async for o in c.generate(f"{rid}-{p_i}", ids, params, spec, opts.keepalive_s):
+                    await q.put((p_i * params.n + o.index, o) if o is not None else (None, None))
+            except Exception as e:
+                await q.put((None, e))
+            finally:
+                await q.put((None, StopAsyncIteration()))
+
+        tasks = [asyncio.get_running_loop().create_task(run(p_i, ids)) for p_i, ids in enumerate(prompts)]
+        try:
+            left = len(tasks)
+            while left:
+                idx, o = await q.get()
+                if isinstance(o, StopAsyncIteration):
+                    left -= 1
+                elif isinstance(o, Exception):
+                    raise o
+                else:
+                    yield idx, o
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _reasoning_tokens(states) -> int:
+        texts = ["".join(st.reasoning) for st in states]
+        if not any(texts):
+            return 0
+        return await asyncio.get_running_loop().run_in_executor(
+            None, lambda: sum(len(tok.encode(t, add_special_tokens=False)) for t in texts if t))
+
+    def _echo(body, prompts, p_i) -> str:
+        p = body["prompt"]
+        if isinstance(p, str):
+            return p
+        if isinstance(p[0], str):
+            return p[p_i]
+        return tok.decode(prompts[p_i], skip_special_tokens=False)
+
+    async def _respond(request, body, prompts, params, spec, chat: bool):
         c: EngineClient = app.ctx.client
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        created = int(time.time())
-        kind = "chat.completion" if chat else "text_completion"
-        base = {"id": rid, "object": kind, "created": created, "model": model_name}
+        base = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": model_name}
         if body.get("stream"):
-            return await _stream(request, c, rid, base, prompts, params, chat, body)
-        choices, cached = [], 0
-        tokens = {}
-        for p_i, ids in enumerate(prompts):
-            texts, reasons = [""] * params.n, [None] * params.n
-            async for o in c.generate(f"{rid}-{p_i}", ids, params):
-                texts[o.index] += o.text
-                tokens[(p_i, o.index)] = o.total_tokens
-                if o.finish_reason:
-                    reasons[o.index] = _finish(o.finish_reason)
-                    cached += o.num_cached_tokens
-            for i in range(params.n):
-                idx = p_i * params.n + i
-                if chat:
-                    choices.append({"index": idx, "message": {"role": "assistant", "content": texts[i]},
-                                    "logprobs": None, "finish_reason": reasons[i]})
-                else:
-                    choices.append({"index": idx, "text": texts[i], "logprobs": None, "finish_reason": reasons[i]})
-        n_prompt = sum(len(p) for p in prompts)
-        n_out = sum(tokens.values())
-        return response.json({**base, "choices": choices, "usage": usage(n_prompt, n_out, cached)})
+            return await _stream(request, c, rid, base, prompts, params, spec, chat, body)
+        n = params.n
+        states = [ChoiceState() for _ in range(len(prompts) * n)]
+        async for idx, o in _merged(c, rid, prompts, params, spec):
+            if o is not None:
+                states[idx].add(o)
+        choices = []
+        for idx, st in enumerate(states):
+            if chat:
+                msg = {"role": "assistant", "content": "".join(st.content) or (None if st.calls else "")}
+                reasoning = "".join(st.reasoning)
+                if reasoning:
+                    msg["reasoning_content"] = reasoning
+                if st.calls:
+                    msg["tool_calls"] = st.tool_calls()
+                lp = {"content": chat_logprobs(strs, st.logprob_ids, st.logprobs)} if params.logprobs is not None \
+                    else None
+                choices.append({"index": idx, "message": msg, "logprobs": lp, "finish_reason": st.finish_reason})
+            else:
+                text, lp = "".join(st.content), None
+                if body.get("echo"):
+                    p_i = idx // n
+                    prefix = _echo(body, prompts, p_i)
+                    text = prefix + text
+                    if params.logprobs is not None:
+                        lp = completion_logprobs(strs, prompts[p_i], st.prompt_logprobs or [], 0)
+                if params.logprobs is not None:
+                    start = len(text) - len("".join(st.content))
+                    lp = merge_completion_logprobs(lp, completion_logprobs(strs, st.logprob_ids, st.logprobs,
+                                                                           start))
+                choices.append({"index": idx, "text": text, "logprobs": lp, "finish_reason": st.finish_reason})
+        n_prompt = sum(len(p) for p in prompts) * n
+        u = usage(n_prompt, sum(st.tokens for st in states), sum(st.cached for st in states),
+                  await _reasoning_tokens(states))
+        if chat:
+            _log_chat(body, choices)
+        return response.json({**base, "choices": choices, "usage": u})
 
-    async def _stream(request, c, rid, base, prompts, params, chat, body):
+    async def _stream(request, c, rid, base, prompts, params, spec, chat, body):
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         chunk_kind = "chat.completion.chunk" if chat else "text_completion"
         resp = await request.respond(content_type="text/event-stream",
@@ -300,27 +487,53 @@ def create_app(config: EngineConfig, log_level: str = "info", max_queued_request
             payload.update(extra or {})
             await resp.send("data: " + _dumps(payload) + "\n\n")
 
-        cached = 0
-        tokens = {}
+        n = params.n
+        states = [ChoiceState() for _ in range(len(prompts) * n)]
+        calls_seen = [set() for _ in states]
+        text_len = [0] * len(states)
         try:
-            for p_i, ids in enumerate(prompts):
+            if chat:
+                await send([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None} for i in range(len(states))])
+            elif body.get("echo"):
+                for i in range(len(states)):
+                    text_len[i] = len(_echo(body, prompts, i // n))
+            echoed = set()
+            async for idx, o in _merged(c, rid, prompts, params, spec):
+                if o is None:
+                    await resp.send(": keep-alive\n\n")
+                    continue
+                st = states[idx]
+                st.add(o)
+                reason = st.finish_reason if o.finish_reason else None
                 if chat:
-                    await send([{"index": p_i * params.n + i, "delta": {"role": "assistant", "content": ""},
-                                 "logprobs": None, "finish_reason": None} for i in range(params.n)])
-                async for o in c.generate(f"{rid}-{p_i}", ids, params):
-                    tokens[(p_i, o.index)] = o.total_tokens
-                    idx = p_i * params.n + o.index
-                    reason = _finish(o.finish_reason) if o.finish_reason else None
-                    cached += o.num_cached_tokens if reason else 0
-                    if not o.text and not reason:
-                        continue
-                    if chat:
-                        delta = {"content": o.text} if o.text else {}
-                        await send([{"index": idx, "delta": delta, "logprobs": None, "finish_reason": reason}])
-                    else:
-                        await send([{"index": idx, "text": o.text, "logprobs": None, "finish_reason": reason}])
+                    delta = chat_delta(o, calls_seen[idx])
+                    lp = {"content": chat_logprobs(strs, unpack_ids(o.logprob_token_ids), o.logprobs)} \
+                        if o.logprobs else None
+                    if delta or reason or lp:
+                        await send([{"index": idx, "delta": delta, "logprobs": lp, "finish_reason": reason}])
+                    continue
+                text, lp = o.text, None
+                if body.get("echo") and idx not in echoed:
+                    echoed.add(idx)
+                    text = _echo(body, prompts, idx // n) + text
+                    if params.logprobs is not None:
+                        lp = completion_logprobs(strs, prompts[idx // n], st.prompt_logprobs or [], 0)
+                if o.logprobs:
+                    lp = merge_completion_logprobs(lp, completion_logprobs(
+                        strs, unpack_ids(o.logprob_token_ids), o.logprobs, text_len[idx]))
+                text_len[idx] += len(o.text)
+                if text or reason or lp:
+                    await send([{"index": idx, "text": text, "logprobs": lp, "finish_reason": reason}])
             if include_usage:
-                await send([], {"usage": usage(sum(len(p) for p in prompts), sum(tokens.values()), cached)})
+                u = usage(sum(len(p) for p in prompts) * n, sum(st.tokens for st in states),
+                          sum(st.cached for st in states), await _reasoning_tokens(states))
+                await send([], {"usage": u})
+            if chat:
+                _log_chat(body, [{"index": i, "message": {"content": "".join(st.content),
+                                                          "reasoning_content": "".join(st.reasoning),
+                                                          "tool_calls": st.tool_calls()},
+                                  "finish_reason": st.finish_reason} for i, st in enumerate(states)])
         except Exception as e:  # the stream has started: report in-band, then end it
             log.warning("stream %s failed: %s", rid, e)
             await resp.send("data: " + _dumps({"error": ApiError(str(e), status=500, kind="server_error")
@@ -328,11 +541,60 @@ def create_app(config: EngineConfig, log_level: str = "info", max_queued_request
         await resp.send("data: [DONE]\n\n")
         await resp.eof()
 
+    def _log_chat(body, choices):
+        """XINFER_CHAT_LOGGER=1: one JSON line per conversation turn in ./log."""
+        if os.environ.get("XINFER_CHAT_LOGGER") != "1":
+            return
+        try:
+            os.makedirs("log", exist_ok=True)
+            line = _dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": model_name,
+                           "messages": body.get("messages"), "choices": choices})
+            with open(os.path.join("log", time.strftime("chat-%Y%m%d.jsonl")), "a") as f:
+                f.write(line + "\n")
+        except OSError as e:
+            log.warning("chat logger: %s", e)
+
     return app
 
 
-def _finish(reason: str) -> str:
-    return "stop" if reason == "abort" else reason
+class _Seen:
+    """How much of one choice's streams the client has: resent parts are cut off."""
+
+    def __init__(self):
+        self.content = self.reasoning = self.tokens = 0
+        self.args: dict[int, int] = {}  # tool call index -> argument characters sent
+        self.prompt_logprobs = False
+
+    def trim(self, o) -> int:
+        """Cut what was sent already out of `o`; returns how many new tokens it brings."""
+        o.text, self.content = _cut(o.text, o.offset, self.content)
+        o.reasoning, self.reasoning = _cut(o.reasoning, o.reasoning_offset, self.reasoning)
+        calls = []
+        for c in o.tool_calls:
+            have = self.args.get(c.index)
+            if have is not None:
+                c.id = c.name = None
+            c.arguments, self.args[c.index] = _cut(c.arguments, c.offset, have or 0)
+            if have is None or c.arguments:
+                calls.append(c)
+        o.tool_calls = calls
+        new = max(0, o.total_tokens - self.tokens)
+        if o.logprobs:
+            skip = len(o.logprobs) - new
+            o.logprobs = o.logprobs[skip:]
+            o.logprob_token_ids = o.logprob_token_ids[4 * skip:]  # int32 ids
+        self.tokens = max(self.tokens, o.total_tokens)
+        if o.prompt_logprobs is not None:
+            if self.prompt_logprobs:
+                o.prompt_logprobs = None
+            self.prompt_logprobs = True
+        return new
+
+
+def _cut(text: str, offset: int, have: int) -> tuple[str, int]:
+    """(the part of text at `offset` not yet sent, the new sent length)."""
+    end = offset + len(text)
+    return text[max(0, have - offset):], max(have, end)
 
 
 def _model_card(name, max_model_len):
@@ -345,8 +607,8 @@ def _dumps(obj) -> str:
 
 
 def serve(config: EngineConfig, host: str, port: int, log_level: str = "info", max_queued_requests: int = 256,
-          drain_timeout: float = 30.0) -> None:
-    app = create_app(config, log_level, max_queued_requests, drain_timeout)
+          drain_timeout: float = 30.0, **options) -> None:
+    app = create_app(config, log_level, max_queued_requests, drain_timeout, **options)
     log.info("serving %s on http://%s:%d", config.model or "the bundled SmolLM2-135M-Instruct", host, port)
     app.run(host=host, port=port, single_process=True, access_log=False, motd=False)
     if app.ctx.failed:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import msgspec
 
+from xinfer.ipc.text import ParseSpec
 from xinfer.sampling_params import SamplingParams
 
 
@@ -10,6 +11,7 @@ class GenerateRequest(msgspec.Struct, array_like=True, tag="gen"):
     request_id: str
     prompt_ids: bytes  # int32 token ids
     params: SamplingParams
+    parse: ParseSpec | None = None
 
 
 class Abort(msgspec.Struct, array_like=True, tag="abort"):

@@ -49,3 +49,5 @@ class StepResult(msgspec.Struct, array_like=True, tag="result"):
     token_ids: bytes
     # Per sampled token, when asked: (chosen logprob, [(token id, logprob), ...] top alternatives)
     logprobs: list[tuple[float, list[tuple[int, float]]] | None] = []
+    # Prompt logprobs computed this step: (seq id, position of the first scored token, entries)
+    prompt_logprobs: list[tuple[int, int, list[tuple[float, list[tuple[int, float]]]]]] = []

@@ -9,6 +9,20 @@ from __future__ import annotations
 import msgspec
 
 
+# Per token: (logprob, [(token id, logprob), ...] top alternatives)
+Logprob = tuple[float, list[tuple[int, float]]]
+
+
+class ParseSpec(msgspec.Struct, array_like=True):
+    """How the parser process splits one request's text (chosen by the API process)."""
+    tool_parser: str = "passthrough"
+    tools: list[dict] | None = None
+    prefix: str = ""  # forced by tool_choice: already in the prompt, parsed as if generated
+    reasoning: tuple[str, str] | None = None  # (start, end) markers
+    in_reasoning: bool = False  # the prompt opened the reasoning block
+    id_prefix: str = "call"
+
+
 class SeqInit(msgspec.Struct, array_like=True):
     seq_id: int
     request_id: str
@@ -16,6 +30,7 @@ class SeqInit(msgspec.Struct, array_like=True):
     prompt_tail: bytes  # the last prompt tokens, so the first output tokens decode in context
     stop: list[str]
     skip_special_tokens: bool
+    parse: ParseSpec | None = None
 
 
 class TokenDelta(msgspec.Struct, array_like=True):
@@ -23,6 +38,9 @@ class TokenDelta(msgspec.Struct, array_like=True):
     token_ids: bytes
     finish_reason: str | None
     num_cached_tokens: int
+    logprobs: list[Logprob] | None = None  # one per token in token_ids, when asked
+    prompt_logprobs: list[Logprob | None] | None = None
+    queue_time: float = 0.0
 
 
 class TokenBatch(msgspec.Struct, array_like=True, tag="tokens"):
@@ -36,15 +54,38 @@ class StopHit(msgspec.Struct, array_like=True, tag="stop_hit"):
     seq_id: int
 
 
+class ToolCallChunk(msgspec.Struct, array_like=True):
+    index: int  # the call's index in the choice
+    offset: int  # where `arguments` starts in the call's arguments string
+    id: str | None
+    name: str | None
+    arguments: str
+
+
 class TextDelta(msgspec.Struct, array_like=True):
     request_id: str
     index: int
-    offset: int  # where `text` starts in this choice's text
+    offset: int  # where `text` (content) starts in this choice's content
     text: str
     total_tokens: int
     finish_reason: str | None
     num_cached_tokens: int
+    logprobs: list[Logprob] | None = None  # the choice's last len(logprobs) tokens up to total_tokens
+    logprob_token_ids: bytes = b""  # the tokens those logprobs are of
+    prompt_logprobs: list[Logprob | None] | None = None
+    queue_time: float = 0.0
+    reasoning_offset: int = 0
+    reasoning: str = ""
+    tool_calls: list[ToolCallChunk] = []
+
+
+class ParseInit(msgspec.Struct, array_like=True):
+    request_id: str
+    index: int
+    spec: ParseSpec
 
 
 class TextBatch(msgspec.Struct, array_like=True, tag="text"):
     items: list[TextDelta]
+    inits: list[ParseInit] = []  # for the parser process; it drops them before the API
+    resync: bool = False

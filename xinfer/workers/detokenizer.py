@@ -9,7 +9,7 @@ import zmq
 from xinfer.detokenizer import IncrementalDetokenizer
 from xinfer.ipc.channels import Codec, socket
 from xinfer.ipc.step import unpack_ids
-from xinfer.ipc.text import StopHit, TextBatch, TextDelta, TokenBatch
+from xinfer.ipc.text import ParseInit, StopHit, TextBatch, TextDelta, TokenBatch
 
 log = logging.getLogger("xinfer.detokenizer")
 
@@ -36,9 +36,12 @@ def run_detokenizer(model: str | None, load_format: str, in_addr: str, out_addr:
         batch = rx.decode(pull.recv())
         if batch is None:
             continue
+        parse_inits = []
         for init in batch.inits:
             det = IncrementalDetokenizer(tok, unpack_ids(init.prompt_tail), init.stop, init.skip_special_tokens)
             seqs[init.seq_id] = (init.request_id, init.index, det, [0])
+            if init.parse is not None:
+                parse_inits.append(ParseInit(init.request_id, init.index, init.parse))
         out = []
         for d in batch.deltas:
             entry = seqs.get(d.seq_id)
@@ -56,7 +59,8 @@ def run_detokenizer(model: str | None, load_format: str, in_addr: str, out_addr:
             if reason:
                 text += det.flush()
                 del seqs[d.seq_id]
-            if text or reason:
-                out.append(TextDelta(rid, index, offset, text, count[0], reason, d.num_cached_tokens))
-        if out:
-            push.send(tx.encode(TextBatch(out)))
+            if text or reason or d.logprobs or d.prompt_logprobs:
+                out.append(TextDelta(rid, index, offset, text, count[0], reason, d.num_cached_tokens, d.logprobs,
+                                     d.token_ids if d.logprobs else b"", d.prompt_logprobs, d.queue_time))
+        if out or parse_inits:
+            push.send(tx.encode(TextBatch(out, parse_inits, batch.resync)))

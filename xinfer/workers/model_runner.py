@@ -89,9 +89,12 @@ class ModelRunner:
             return StepResult(plan.step_id, [], b"")
         bs = self.block_size
         ids, pos, slots, qlens, kvlens, tables, sample_rows, sample_seqs = [], [], [], [], [], [], [], []
+        scored = []  # prompt logprobs asked: (seq id, first row, first scored position, count)
         for s in plan.scheduled:
             ws = self.seqs[s.seq_id]
             start, end = ws.num_computed, ws.num_computed + s.num_tokens
+            if ws.params.prompt_logprobs is not None and start < ws.num_prompt - 1:
+                scored.append((s.seq_id, len(ids), start + 1, min(end, ws.num_prompt - 1) - start))
             ids.extend(ws.tokens[start:end])
             p = np.arange(start, end)
             pos.append(p)
@@ -120,14 +123,34 @@ class ModelRunner:
         set_context(None)
         for s in plan.scheduled:
             self.seqs[s.seq_id].num_computed += s.num_tokens
+        prompt_lps = self._prompt_logprobs(hidden, scored) if scored else []
         if not sample_seqs:
-            return StepResult(plan.step_id, [], b"")
+            return StepResult(plan.step_id, [], b"", [], prompt_lps)
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
         tokens, lps = sample(logits, self._sampling_batch([self.seqs[i] for i in sample_seqs]))
         tokens = tokens.tolist()
         for sid, t in zip(sample_seqs, tokens):
             self.seqs[sid].tokens.append(t)
-        return StepResult(plan.step_id, sample_seqs, pack_ids(tokens), self._logprobs(sample_seqs, tokens, lps))
+        return StepResult(plan.step_id, sample_seqs, pack_ids(tokens), self._logprobs(sample_seqs, tokens, lps),
+                          prompt_lps)
+
+    def _prompt_logprobs(self, hidden, scored):
+        """Logprobs of prompt tokens under the model's raw distribution (for echo / scoring):
+        the row of position p scores the token at p + 1."""
+        out = []
+        for sid, row, first, count in scored:
+            ws = self.seqs[sid]
+            lp = torch.log_softmax(self.model.compute_logits(hidden[row:row + count]).float(), dim=-1)
+            target = torch.tensor(ws.tokens[first:first + count], device=lp.device)
+            chosen = lp.gather(1, target[:, None])[:, 0].tolist()
+            k = ws.params.prompt_logprobs
+            if k:
+                vals, idx = lp.topk(k, dim=-1)
+                alts = [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+            else:
+                alts = [[] for _ in chosen]
+            out.append((sid, first, list(zip(chosen, alts))))
+        return out
 
     def _logprobs(self, seq_ids, tokens, lps):
         if lps is None:
