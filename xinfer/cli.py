@@ -79,7 +79,7 @@ def cmd_serve(args) -> int:
     from xinfer.api.server import serve
 
     serve(engine_config(args), args.host, args.port, args.log_level, args.max_queued_requests,
-          args.drain_timeout)
+          args.drain_timeout, ui_port=args.port + 1 if args.ui_server else None)
     return 0
 
 
@@ -108,6 +108,8 @@ def main(argv=None) -> int:
                    help="requests waiting beyond --max-num-seqs before new ones get 503")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT: seconds in-flight requests may take to finish")
+    s.add_argument("--ui-server", action="store_true",
+                   help="also serve the web chat page on port + 1 (the API port serves it at / too)")
     s.set_defaults(func=cmd_serve)
 
     args = parser.parse_args(argv)
