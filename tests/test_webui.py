@@ -160,6 +160,10 @@ def test_markdown_is_rendered_and_escaped(page):
     assert 'href="https://example.org"' in html and 'rel="noopener' in html and "javascript:" not in html.split("[bad]")[0]
     assert "href=\"javascript" not in html
     assert 'class="codeblock"' in html and 'class="copy"' in html and "print(&#39;&lt;b&gt;&#39;)" in html
+    # A reply that keeps "<think>…</think>" in its content is split client-side too (folded while thinking).
+    assert js(page, "return splitThink('<think>hmm') ;") == {"reasoning": "hmm", "content": "", "thinking": True}
+    assert js(page, "return splitThink('<think>hmm</think>Hi');") == {"reasoning": "hmm", "content": "Hi",
+                                                                      "thinking": False}
 
 
 def test_reply_streams_with_speed(page):
