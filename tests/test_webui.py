@@ -208,3 +208,17 @@ def test_stop_aborts_the_request(ui_server, page):
     send(page, "Short one.")
     wait_for(lambda: idle(page) and page.find_element("id", "speed").text.startswith("5 tokens"), 30,
              "a third reply")
+
+
+def test_errors_are_shown_and_new_chat_clears(page):
+    set_field(page, "max-tokens", 100000)  # past the context length: HTTP 400 with an OpenAI error body
+    send(page, "Too long a reply")
+    wait_for(lambda: idle(page) and page.find_elements("css selector", "#messages .msg .error"), 15, "the error")
+    err = page.find_element("css selector", "#messages .msg .error").text
+    assert "context length" in err, err
+    page.find_element("id", "new-chat").click()
+    assert not page.find_elements("css selector", "#messages .msg")
+    set_field(page, "max-tokens", 3)
+    send(page, "Again")
+    wait_for(lambda: idle(page) and page.find_element("id", "speed").text.startswith("3 tokens"), 30, "a reply")
+    assert js(page, "return state.history.length;") == 2
