@@ -29,7 +29,15 @@ cmd=${1:-help}
 shift || true
 case "$cmd" in
   serve) exec "$VENV/bin/xinfer" serve "$@" ;;
-  test) exec "$VENV/bin/python" -m pytest -q "$@" ;;
+  test)
+    # The web page test drives Debian's Chromium (never a downloaded browser): install it when missing.
+    if { [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; } && command -v apt-get >/dev/null \
+        && [ "$(id -u)" = 0 ]; then
+      echo "[setup] installing chromium and chromium-driver for tests/test_webui.py" >&2
+      { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; } \
+        >/dev/null 2>&1 || echo "[setup] could not install chromium; the web page test will be skipped" >&2
+    fi
+    exec "$VENV/bin/python" -m pytest -q "$@" ;;
   xinfer) exec "$VENV/bin/xinfer" "$@" ;;
   *) echo "usage: scripts/dev.sh serve|test|xinfer [args]" >&2; exit 2 ;;
 esac

@@ -80,7 +80,8 @@ def cmd_serve(args) -> int:
     from xinfer.api.server import serve
 
     serve(engine_config(args), args.host, args.port, args.log_level, args.max_queued_requests,
-          args.drain_timeout, api_key=args.api_key or os.environ.get("XINFER_API_KEY") or None,
+          args.drain_timeout, ui_port=args.port + 1 if args.ui_server else None,
+          api_key=args.api_key or os.environ.get("XINFER_API_KEY") or None,
           max_n=args.max_n, max_request_bytes=args.max_request_bytes, enforce_parser=args.enforce_parser,
           disable_reasoning=args.disable_reasoning)
     return 0
@@ -121,6 +122,8 @@ def main(argv=None) -> int:
                         "passthrough); default: chosen from the model's chat template and architecture")
     s.add_argument("--disable-reasoning", action="store_true",
                    help="requests think only when they ask to (the default of their 'thinking' flag)")
+    s.add_argument("--ui-server", action="store_true",
+                   help="also serve the web chat page on port + 1 (the API port serves it at / too)")
     s.set_defaults(func=cmd_serve)
 
     args = parser.parse_args(argv)

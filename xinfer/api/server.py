@@ -154,7 +154,7 @@ class ApiOptions:
 
 
 def create_app(config: EngineConfig, log_level: str = "info", max_queued_requests: int = 256,
-               drain_timeout: float = 30.0, **options) -> Sanic:
+               drain_timeout: float = 30.0, ui_port: int | None = None, **options) -> Sanic:
     opts = ApiOptions(**options)
     app = Sanic("xinfer")
     app.ctx.draining = False
@@ -252,6 +252,9 @@ def create_app(config: EngineConfig, log_level: str = "info", max_queued_request
     @app.get("/")
     async def index(request):
         return await response.file(WEB_PAGE, mime_type="text/html")
+
+    if ui_port:
+        _listen_for_ui(app, ui_port)
 
     @app.get("/health")
     async def health(request):
@@ -606,9 +609,45 @@ def _dumps(obj) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
+def _listen_for_ui(app: Sanic, ui_port: int) -> None:
+    """--ui-server: the same app also listens on ui_port (the chat page at /, and the API its page calls,
+    so the page's same-origin fetches work on either port). A plain extra listener on the running loop:
+    Sanic's own multi-server mode would run the app's stop listeners once per server."""
+    from sanic.models.server_types import Signal
+    from sanic.server.runners import serve as sanic_serve
+
+    @app.after_server_start
+    async def start_ui(app):
+        host = app.state.host or "127.0.0.1"
+        app.ctx.ui_server = None
+        try:
+            srv = sanic_serve(host, ui_port, app, loop=asyncio.get_running_loop(), run_async=True,
+                              register_sys_signals=False, connections=set(), signal=Signal())
+            app.ctx.ui_server = await srv
+        except OSError as e:  # the API keeps serving (and its own / still has the page)
+            log.error("web chat page: cannot listen on %s:%d: %s", host, ui_port, e)
+            return
+        log.info("web chat page on http://%s:%d/", host, ui_port)
+
+    @app.before_server_stop
+    async def stop_ui(app):
+        srv = getattr(app.ctx, "ui_server", None)
+        if srv is None:
+            return
+        srv.server.close()
+        for conn in list(srv.connections):
+            conn.close_if_idle()
+        for _ in range(20):  # in-flight requests were already ended by the drain
+            if not srv.connections:
+                break
+            await asyncio.sleep(0.05)
+        for conn in list(srv.connections):
+            conn.abort()
+
+
 def serve(config: EngineConfig, host: str, port: int, log_level: str = "info", max_queued_requests: int = 256,
-          drain_timeout: float = 30.0, **options) -> None:
-    app = create_app(config, log_level, max_queued_requests, drain_timeout, **options)
+          drain_timeout: float = 30.0, ui_port: int | None = None, **options) -> None:
+    app = create_app(config, log_level, max_queued_requests, drain_timeout, ui_port, **options)
     log.info("serving %s on http://%s:%d", config.model or "the bundled SmolLM2-135M-Instruct", host, port)
     app.run(host=host, port=port, single_process=True, access_log=False, motd=False)
     if app.ctx.failed:
