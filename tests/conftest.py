@@ -61,12 +61,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(*args, timeout: float = 240):
+def start_server(*args, timeout: float = 240, env: dict | None = None, cwd: str | None = None):
     """Start `xinfer serve` on the bundled model on a free port; wait until /health is 200.
     Returns (process, base URL, whether /health answered 503 while loading)."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "xinfer.cli", "--log-level", "warning", "serve",
-                             "--port", str(port), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             "--port", str(port), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})}, cwd=cwd)
     base, saw_503, deadline = f"http://127.0.0.1:{port}", False, time.time() + timeout
     while time.time() < deadline:
         try:
@@ -82,3 +83,30 @@ def start_server(*args, timeout: float = 240):
         time.sleep(0.5)
     proc.kill()
     pytest.fail("server did not become healthy")
+
+
+def make_chat_model(tiny_llama_path: str, dest, template: str) -> str:
+    """The tiny random Llama with a character-level tokenizer, a chat template, a 4096-token context
+    and no EOS token: it streams garbage characters until max_tokens."""
+    import json
+    import shutil
+
+    from tokenizers import Tokenizer, decoders
+    from tokenizers.models import BPE
+
+    shutil.copytree(tiny_llama_path, dest, dirs_exist_ok=True)
+    chars = [chr(c) for c in range(32, 127)] + ["\n"] + [chr(c) for c in range(0xC0, 0xC0 + 30)]
+    vocab = {"<s>": 0, "</s>": 1, **{ch: i + 2 for i, ch in enumerate(chars)}}
+    assert len(vocab) == 128
+    tok = Tokenizer(BPE(vocab=vocab, merges=[], unk_token="?"))
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.decoder = decoders.Fuse()
+    tok.save(str(dest / "tokenizer.json"))
+    (dest / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "bos_token": "<s>"}))
+    for name in ("config.json", "generation_config.json"):
+        cfg = json.loads((dest / name).read_text())
+        cfg["eos_token_id"] = None
+        if name == "config.json":
+            cfg["max_position_embeddings"] = 4096
+        (dest / name).write_text(json.dumps(cfg))
+    return str(dest)

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from tests.conftest import start_server
+from tests.conftest import make_chat_model, start_server
 
 os.environ.setdefault("SE_OFFLINE", "true")  # selenium-manager must never download a browser or driver
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
@@ -22,30 +22,9 @@ CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 
 @pytest.fixture(scope="module")
 def chat_model(tiny_llama_path, tmp_path_factory):
-    """The tiny random Llama with a character-level tokenizer and a chat template, a 4096-token context
-    and no EOS token: it streams garbage characters until max_tokens (or Stop)."""
-    from tokenizers import Tokenizer, decoders
-    from tokenizers.models import BPE
-
-    path = tmp_path_factory.mktemp("tiny_chat")
-    shutil.copytree(tiny_llama_path, path, dirs_exist_ok=True)
-    chars = [chr(c) for c in range(32, 127)] + ["\n"] + [chr(c) for c in range(0xC0, 0xC0 + 30)]
-    vocab = {"<s>": 0, "</s>": 1, **{ch: i + 2 for i, ch in enumerate(chars)}}
-    assert len(vocab) == 128
-    tok = Tokenizer(BPE(vocab=vocab, merges=[], unk_token="?"))
-    tok.add_special_tokens(["<s>", "</s>"])
-    tok.decoder = decoders.Fuse()
-    tok.save(str(path / "tokenizer.json"))
     template = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "bos_token": "<s>"}))
-    for name in ("config.json", "generation_config.json"):
-        cfg = json.loads((path / name).read_text())
-        cfg["eos_token_id"] = None
-        if name == "config.json":
-            cfg["max_position_embeddings"] = 4096
-        (path / name).write_text(json.dumps(cfg))
-    return str(path)
+    return make_chat_model(tiny_llama_path, tmp_path_factory.mktemp("tiny_chat"), template)
 
 
 @pytest.fixture(scope="module")

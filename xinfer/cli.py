@@ -83,7 +83,7 @@ def cmd_serve(args) -> int:
           args.drain_timeout, ui_port=args.port + 1 if args.ui_server else None,
           api_key=args.api_key or os.environ.get("XINFER_API_KEY") or None,
           max_n=args.max_n, max_request_bytes=args.max_request_bytes, enforce_parser=args.enforce_parser,
-          disable_reasoning=args.disable_reasoning)
+          disable_reasoning=args.disable_reasoning, keepalive_s=args.sse_keepalive)
     return 0
 
 
@@ -122,6 +122,8 @@ def main(argv=None) -> int:
                         "passthrough); default: chosen from the model's chat template and architecture")
     s.add_argument("--disable-reasoning", action="store_true",
                    help="requests think only when they ask to (the default of their 'thinking' flag)")
+    s.add_argument("--sse-keepalive", type=float, default=15.0,
+                   help="seconds without output before a stream gets a keep-alive comment")
     s.add_argument("--ui-server", action="store_true",
                    help="also serve the web chat page on port + 1 (the API port serves it at / too)")
     s.set_defaults(func=cmd_serve)

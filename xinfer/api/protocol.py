@@ -130,6 +130,8 @@ def _history_calls(calls, i) -> list[dict]:
 
 def completion_prompts(tok, body: dict, vocab_size: int) -> list[list[int]]:
     p = body.get("prompt")
+    if tok is None and (isinstance(p, str) or isinstance(p, list) and p and isinstance(p[0], str)):
+        raise ApiError("this model has no tokenizer: send the prompt as token ids", param="prompt")
     if isinstance(p, str):
         prompts = [tok.encode(p)]
     elif isinstance(p, list) and p and all(isinstance(x, int) for x in p):

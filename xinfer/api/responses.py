@@ -17,7 +17,8 @@ class TokenStrings:
         if s is None:
             if len(self.cache) > 200_000:
                 self.cache.clear()
-            s = self.cache[tid] = self.tok.decode([tid], skip_special_tokens=False)
+            s = self.cache[tid] = (self.tok.decode([tid], skip_special_tokens=False) if self.tok is not None
+                                   else f"token_id:{tid}")
         return s
 
 

@@ -292,6 +292,7 @@ def create_app(config: EngineConfig, log_level: str = "info", max_queued_request
     @protected
     async def tokenize(request):
         body = parse_body(request)
+        _need_tokenizer()
         loop = asyncio.get_running_loop()
         if body.get("messages") is not None:
             tools, _ = parse_tools(body)
@@ -311,6 +312,7 @@ def create_app(config: EngineConfig, log_level: str = "info", max_queued_request
     @protected
     async def detokenize(request):
         body = parse_body(request)
+        _need_tokenizer()
         ids = body.get("tokens")
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise ApiError("'tokens' must be a list of token ids", param="tokens")
@@ -323,6 +325,7 @@ def create_app(config: EngineConfig, log_level: str = "info", max_queued_request
     @app.get("/tokenizer_info")
     @protected
     async def tokenizer_info(request):
+        _need_tokenizer()
         return response.json({
             "model": model_name, "vocab_size": vocab_size, "max_model_len": max_model_len,
             "bos_token": tok.bos_token or None, "bos_token_id": tok.bos_token_id,
@@ -351,8 +354,13 @@ def create_app(config: EngineConfig, log_level: str = "info", max_queued_request
                                f"model's context length ({max_model_len})", param="max_tokens",
                                code="context_length_exceeded")
 
+    def _need_tokenizer():
+        if tok is None:
+            raise ApiError("this model has no tokenizer: send token ids to /v1/completions", param="prompt")
+
     def _chat_prepare(body):
         """(prompt ids, what the parser process does with the output) for a chat request."""
+        _need_tokenizer()
         tools, choice = parse_tools(body)
         text = chat_text(tok, body, tools, not opts.disable_reasoning)
         spec = ParseSpec(reasoning=markers, id_prefix="call_" + uuid.uuid4().hex[:24])
@@ -496,8 +504,9 @@ def create_app(config: EngineConfig, log_level: str = "info", max_queued_request
         text_len = [0] * len(states)
         try:
             if chat:
-                await send([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None} for i in range(len(states))])
+                for i in range(len(states)):  # one choice per chunk, as clients read choices[0]
+                    await send([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None}])
             elif body.get("echo"):
                 for i in range(len(states)):
                     text_len[i] = len(_echo(body, prompts, i // n))
