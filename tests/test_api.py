@@ -270,6 +270,8 @@ def test_named_tool_choice_gives_a_tool_call_streamed_and_whole(api):
     calls = r.choices[0].message.tool_calls
     assert calls and calls[0].type == "function" and calls[0].function.name == "get_weather"
     assert len(calls[0].id) >= 9 and isinstance(json.loads(calls[0].function.arguments), dict)
+    # a named function: the choice ends with that one call, like guided decoding would
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
     chunks = list(client.chat.completions.create(model=model, messages=msgs, tools=WEATHER, tool_choice=choice,
                                                  max_tokens=48, temperature=0, stream=True))
     deltas = [tc for c in chunks if c.choices and c.choices[0].delta.tool_calls for tc in c.choices[0].delta.tool_calls]
@@ -277,9 +279,10 @@ def test_named_tool_choice_gives_a_tool_call_streamed_and_whole(api):
     assert [d.function.name for d in deltas if d.function.name] == ["get_weather"]
     assert "".join(d.function.arguments or "" for d in deltas) == calls[0].function.arguments
     assert all(d.index == 0 for d in deltas)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
     for c in chunks:
-        if c.choices and c.choices[0].finish_reason == "tool_calls":
-            assert c.choices[0].delta.tool_calls != []
+        if c.choices:
+            assert c.choices[0].delta.tool_calls != [] and not c.choices[0].delta.content
     # The call and its result go back into the history.
     history = msgs + [{"role": "assistant", "content": None, "tool_calls": [calls[0].model_dump()]},
                       {"role": "tool", "tool_call_id": calls[0].id, "content": "18 C, sunny"}]

@@ -195,8 +195,10 @@ class EngineCore:
                                   "queue_time": 0.0}
                 self.new_inits.append(init)
         elif isinstance(msg, Abort):
-            gone = [sid for sid, s in self.live.items() if s["request_id"] == msg.request_id and not s["finish"]]
-            engine.abort_request(msg.request_id)
+            gone = [sid for sid, s in self.live.items() if s["request_id"] == msg.request_id and not s["finish"]
+                    and msg.index in (-1, s["init"].index)]
+            for sid in gone:
+                engine.abort(sid)
             self._finish_here(gone, "abort")
         elif isinstance(msg, StopHit):
             s = self.live.get(msg.seq_id)

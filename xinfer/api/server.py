@@ -101,6 +101,7 @@ class EngineClient:
         seen = [_Seen() for _ in range(params.n)]
         finished = set()
         first, last = True, start
+        stop_after_call = parse is not None and parse.single_call
         try:
             await self.push.send(self.tx.encode(GenerateRequest(request_id, pack_ids(prompt_ids), params, parse)))
             while remaining:
@@ -114,6 +115,8 @@ class EngineClient:
                 if item.index in finished:
                     continue
                 new_tokens = seen[item.index].trim(item)
+                if stop_after_call and item.tool_calls and not item.finish_reason:  # the call asked for is in
+                    await self.push.send(self.tx.encode(Abort(request_id, item.index)))
                 now = time.monotonic()
                 if new_tokens:
                     if first:
@@ -373,6 +376,7 @@ def create_app(config: EngineConfig, log_level: str = "info", max_queued_request
                 if prefix:
                     spec.prefix = prefix
                     text += prefix
+                spec.single_call = choice != "required"
         spec.in_reasoning = bool(markers) and starts_in_reasoning(text, markers)
         return tok.encode(text, add_special_tokens=False), spec
 

@@ -16,6 +16,7 @@ class GenerateRequest(msgspec.Struct, array_like=True, tag="gen"):
 
 class Abort(msgspec.Struct, array_like=True, tag="abort"):
     request_id: str
+    index: int = -1  # one choice, or -1: all of them
 
 
 class Ready(msgspec.Struct, array_like=True, tag="ready"):

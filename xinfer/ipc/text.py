@@ -21,6 +21,7 @@ class ParseSpec(msgspec.Struct, array_like=True):
     reasoning: tuple[str, str] | None = None  # (start, end) markers
     in_reasoning: bool = False  # the prompt opened the reasoning block
     id_prefix: str = "call"
+    single_call: bool = False  # a named tool_choice: the choice ends with its first call
 
 
 class SeqInit(msgspec.Struct, array_like=True):

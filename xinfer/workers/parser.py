@@ -30,6 +30,7 @@ class ChoiceParser:
             self.tools = get_tool_parser(spec.tool_parser)(spec.tools, spec.id_prefix, prefix=spec.prefix)
         self.content_sent = self.reasoning_sent = 0
         self.args_sent: dict[int, int] = {}
+        self.single_call, self.called = spec.single_call, False
 
     def feed(self, text: str, final: bool) -> tuple[int, str, int, str, list[ToolCallChunk]]:
         reasoning, content = self.reasoning.feed(text) if self.reasoning else ("", text)
@@ -42,6 +43,8 @@ class ChoiceParser:
             if final:
                 c, more = self.tools.finish()
                 content, calls = content + c, calls + more
+        if self.single_call and (self.called or calls):  # nothing after the one call asked for
+            content, calls, self.called = "", calls[:1] if not self.called else [], True
         chunks = []
         for c in calls:
             off = self.args_sent.get(c.index, 0)
