@@ -17,7 +17,7 @@ def setup_logging(level: str = "info", name: str = "xinfer") -> None:
 
 
 def set_title(name: str) -> None:
-    """Name the process for ps and top (xinfer::api, xinfer::engine, xinfer::worker-0)."""
+    """Name the process for ps and top (xinfer::launch, xinfer::api, xinfer::scheduler, ...)."""
     try:
         import setproctitle
         setproctitle.setproctitle(name)
@@ -76,11 +76,12 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from xinfer.api.server import serve
+    from xinfer.launch import launch
 
-    serve(engine_config(args), args.host, args.port, args.log_level, args.max_queued_requests,
-          args.drain_timeout)
-    return 0
+    if not args.startup_timeout > 0:
+        raise ValueError(f"--startup-timeout must be > 0 seconds, got {args.startup_timeout}")
+    return launch(engine_config(args), args.host, args.port, args.log_level, args.max_queued_requests,
+                  args.drain_timeout, args.startup_timeout)
 
 
 def main(argv=None) -> int:
@@ -100,7 +101,8 @@ def main(argv=None) -> int:
     g.add_argument("--no-chat", action="store_true", help="send prompts raw, without the chat template")
     g.set_defaults(func=cmd_generate)
 
-    s = sub.add_parser("serve", help="start the OpenAI-compatible server with the web chat page")
+    s = sub.add_parser("serve", help="start the OpenAI-compatible server with the web chat page "
+                       "(under the xinfer-launch supervisor)")
     add_engine_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
@@ -108,10 +110,12 @@ def main(argv=None) -> int:
                    help="requests waiting beyond --max-num-seqs before new ones get 503")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT: seconds in-flight requests may take to finish")
+    s.add_argument("--startup-timeout", type=float, default=600.0,
+                   help="seconds every process may take to start (loading a big model takes a while)")
     s.set_defaults(func=cmd_serve)
 
     args = parser.parse_args(argv)
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, "xinfer::launch" if args.command == "serve" else "xinfer")
     try:
         return args.func(args)
     except (XinferError, ValueError, FileNotFoundError) as e:

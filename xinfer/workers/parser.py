@@ -6,6 +6,7 @@ import os
 
 import zmq
 
+from xinfer.ipc import launch
 from xinfer.ipc.channels import Codec, socket
 from xinfer.ipc.text import TextBatch
 
@@ -19,6 +20,7 @@ def run_parser(in_addr: str, out_addr: str, log_level: str, parent: int) -> None
     pull = socket(ctx, zmq.PULL, in_addr, bind=True)  # the detokenizer connects here
     push = socket(ctx, zmq.PUSH, out_addr, bind=False)
     codec = Codec(TextBatch)
+    launch.started("xinfer::parser")
     while True:
         if not pull.poll(1000):
             if os.getppid() != parent:
