@@ -183,11 +183,16 @@ class Engine:
     def _recover(self, err: Exception) -> None:
         """A worker died: start a new one and recompute every running sequence from its tokens.
         Clients see a slower response, not an error; greedy outputs are unchanged."""
-        self.restart_budget.record("xinfer::worker-0", str(err))
-        log.warning("model worker died (%s); restarting it and recomputing %d sequences", err,
-                    len(self.scheduler.running))
-        self.scheduler.reset_worker_state()
-        self.runner.restart()
+        while True:  # a worker that dies while it starts counts as one more restart
+            self.restart_budget.record("xinfer::worker-0", str(err))
+            log.warning("model worker died (%s); restarting it and recomputing %d sequences", err,
+                        len(self.scheduler.running))
+            self.scheduler.reset_worker_state()
+            try:
+                self.runner.restart()
+                return
+            except WorkerDied as e:
+                err = e
 
     def check_worker(self) -> None:
         """Restart a worker process that died while the engine was idle (before a request needs it)."""

@@ -74,8 +74,10 @@ def run_engine_core(config: EngineConfig, rundir: str, in_addr: str, out_addr: s
     finally:
         core.stop_pipeline()
         engine.close()
-        if core.orphaned:  # no supervisor is left to remove the runtime directory
+        if core.orphaned:  # no supervisor is left to clean up or to wait: be gone at once
             shutil.rmtree(rundir, ignore_errors=True)
+            logging.shutdown()
+            os._exit(1)
 
 
 def _fail(name: str, e: Exception):

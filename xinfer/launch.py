@@ -12,8 +12,9 @@ private 0700 runtime directory and names it in the XINFER_LAUNCH environment var
 xinfer process pushes `Started` (msgspec, xinfer/ipc/launch.py) when it is ready, or `Failed`
 with its error text. The API goes first: it listens at once and answers /health 503 while the
 model loads. Then the scheduler: it loads the model, starts the worker, the detokenizer and the
-parser, and reports which children to wait for. All within --startup-timeout. A child that
-fails to start stops the launch with its message (exit code 1).
+parser, and reports which children to wait for. All within --startup-timeout. When every one
+has reported, the supervisor sends the API SIGUSR1 and /health turns 200. A child that fails
+to start stops the launch with its message (exit code 1).
 
 Once running: if the API or the scheduler dies, the rest is stopped and the exit code is 1.
 The scheduler itself restarts a dead worker, detokenizer or parser (it holds the token history
@@ -109,6 +110,7 @@ class Supervisor:
         if not self._wait_started({SCHEDULER}, deadline):
             return 0
         self.ready = True
+        os.kill(self.procs[API].pid, signal.SIGUSR1)  # every process is up: /health turns 200
         log.info("ready on http://%s:%d (%s)", self.host, self.port,
                  ", ".join(f"{n} {p}" for n, p in self.started.items()))
         return self._watch()

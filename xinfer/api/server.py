@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import time
 import uuid
@@ -123,6 +124,7 @@ def create_app(config: EngineConfig, rundir: str, max_queued_requests: int = 256
     the supervisor) connects; `parent`, the supervisor's pid: the app stops when it is gone."""
     app = Sanic("xinfer", configure_logging=False)  # Sanic's loggers follow --log-level
     app.ctx.draining = False
+    app.ctx.launched = parent is None  # under the supervisor: its SIGUSR1 says every process is ready
     app.config.RESPONSE_TIMEOUT = 3600
     app.config.KEEP_ALIVE_TIMEOUT = 75
     info = load_model_info(config.model, config.load_format)  # tokenizer and config only, no weights
@@ -149,7 +151,7 @@ def create_app(config: EngineConfig, rundir: str, max_queued_requests: int = 256
         while os.getppid() == parent:
             await asyncio.sleep(1)
         log.warning("the supervisor exited; stopping")
-        app.ctx.failed = True
+        app.ctx.failed = app.ctx.orphaned = True
         asyncio.get_running_loop().call_later(3, os._exit, 1)  # open connections must not hold us
         app.stop()
 
@@ -158,6 +160,7 @@ def create_app(config: EngineConfig, rundir: str, max_queued_requests: int = 256
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda: app.ctx.draining or loop.create_task(drain()))
+        loop.add_signal_handler(signal.SIGUSR1, lambda: setattr(app.ctx, "launched", True))
         launch.started("xinfer::api")  # listening: the supervisor starts the engine core next
 
     async def drain():
@@ -209,7 +212,7 @@ def create_app(config: EngineConfig, rundir: str, max_queued_requests: int = 256
     @app.get("/health")
     async def health(request):
         c = app.ctx.client
-        ok = c.ready is not None and not c.dead
+        ok = c.ready is not None and not c.dead and app.ctx.launched
         return response.json({"status": "ok" if ok else "loading" if not c.dead else "dead"},
                              status=200 if ok else 503)
 
@@ -247,7 +250,7 @@ def create_app(config: EngineConfig, rundir: str, max_queued_requests: int = 256
     def _admit():
         """503 with Retry-After while loading, draining or past the queue limit."""
         c = app.ctx.client
-        if c.ready is None or c.dead or app.ctx.draining:
+        if c.ready is None or c.dead or app.ctx.draining or not app.ctx.launched:
             why, retry = ("shutting down" if app.ctx.draining else "not ready"), 5
         elif len(c.queues) >= config.max_num_seqs + max_queued_requests:
             why, retry = f"full: too many requests queued (limit {max_queued_requests})", 1
@@ -373,5 +376,9 @@ def serve(config: EngineConfig, rundir: str, host: str, port: int, log_level: st
     except OSError as e:  # the port is taken
         launch.failed(name, f"cannot listen on {host}:{port}: {e.strerror or e}")
         raise SystemExit(1)
+    if getattr(app.ctx, "orphaned", False):  # nobody waits for a clean exit: be gone at once
+        shutil.rmtree(rundir, ignore_errors=True)
+        logging.shutdown()
+        os._exit(1)
     if app.ctx.failed:
-        raise SystemExit(1)  # the engine or the supervisor died
+        raise SystemExit(1)  # the engine died

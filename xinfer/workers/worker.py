@@ -87,7 +87,10 @@ def run_worker(config: EngineConfig, num_blocks: int, plan_ring: str, result_rin
             frame = plans.read()
         except (PeerDied, RingClosed):
             log.info("scheduler gone or shutting down; exiting")
-            return
+            # Nothing to clean up here (the scheduler owns the rings), and tearing down an
+            # interpreter with torch loaded takes seconds: leave at once.
+            logging.shutdown()
+            os._exit(0)
         plan = dec.decode(frame)
         # An undecodable plan is answered with step -1: the scheduler then rebuilds this
         # worker's state by recompute instead of waiting for a result that never comes.
@@ -105,6 +108,7 @@ class ProcessRunner:
         self.generation = 0
         self.restarts = 0
         self.proc = None
+        self._shms = []
         self._codec = Codec(StepResult | WorkerReady)
         self._enc = msgspec.msgpack.Encoder()
         self._start()
@@ -162,6 +166,8 @@ class ProcessRunner:
         self._start()
 
     def _teardown(self) -> None:
+        if not self._shms:
+            return  # already done (a restart whose start failed)
         if self.proc is not None and self.proc.is_alive():
             self.plans.shutdown()
             self.proc.join(5)
@@ -179,6 +185,7 @@ class ProcessRunner:
                 shm.unlink()
             except FileNotFoundError:
                 pass
+        self._shms = []
 
     def close(self) -> None:
         self._teardown()
