@@ -368,7 +368,8 @@ def serve(config: EngineConfig, rundir: str, host: str, port: int, log_level: st
         app = create_app(config, rundir, max_queued_requests, drain_timeout, parent)
     except Exception as e:  # a bad model path, an unreadable tokenizer: shown by the supervisor
         log.debug("start-up failed", exc_info=True)
-        launch.failed(name, str(e) if isinstance(e, (XinferError, OSError, ValueError)) else f"{type(e).__name__}: {e}")
+        known = isinstance(e, (XinferError, OSError, ValueError))
+        launch.failed(name, str(e) if known else f"{type(e).__name__}: {e}")
         raise SystemExit(1)
     log.info("serving %s on http://%s:%d", config.model or "the bundled SmolLM2-135M-Instruct", host, port)
     try:
