@@ -140,6 +140,14 @@ def test_bad_flag_caught_at_load_stops_the_launch(tiny_llama_path):
     assert _survivors(seen, 5) == []
 
 
+def test_startup_timeout_stops_the_launch(tiny_llama_path):
+    code, out, seen = _launch_until_exit("--m", tiny_llama_path, "--startup-timeout", "1")
+    assert code == 1
+    assert "xinfer: error: start-up timed out after 1s waiting for xinfer::api" in out
+    assert "Traceback" not in out
+    assert _survivors(seen, 5) == []
+
+
 def test_too_many_restarts_in_the_window_shut_down_cleanly(launched, tiny_llama_path):
     """--max-restarts 1 --restart-window 60: the first worker death is repaired, the second
     stops the server with a message naming the child, exit code 1, nothing left running."""

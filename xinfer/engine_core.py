@@ -53,6 +53,7 @@ def run_engine_core(config: EngineConfig, rundir: str, in_addr: str, out_addr: s
     # drains first); the children started from here inherit the ignored SIGINT.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    launch.exit_with_parent(parent)  # the loop below checks too; this also covers a long model load
     core = EngineCore(config, rundir, in_addr, out_addr, log_level, parent)
     try:
         engine = Engine(config, worker="process", log_level=log_level, detokenize=False)
@@ -72,9 +73,10 @@ def run_engine_core(config: EngineConfig, rundir: str, in_addr: str, out_addr: s
         log.exception("stopped by an unexpected error")
         _fail(name, e)
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
         core.stop_pipeline()
         engine.close()
-        if core.orphaned:  # no supervisor is left to clean up or to wait: be gone at once
+        if core.orphaned or os.getppid() != parent:  # nobody is left to clean up or to wait: be gone
             shutil.rmtree(rundir, ignore_errors=True)
             logging.shutdown()
             os._exit(1)

@@ -159,6 +159,7 @@ class Supervisor:
                 if self.ready:
                     log.info("%s restarted (pid %d)", msg.name, msg.pid)
                 self.started[msg.name] = msg.pid
+                self.failures = [f for f in self.failures if f.name != msg.name]  # it came back
                 self.pids.add(msg.pid)
                 self.expect |= set(msg.expect)
             elif isinstance(msg, msgs.Failed):

@@ -9,6 +9,9 @@ Engine, tests) the variable is unset and reporting does nothing.
 from __future__ import annotations
 
 import os
+import signal
+import threading
+import time
 
 import msgspec
 import zmq
@@ -56,3 +59,14 @@ def started(name: str, expect: list[str] | None = None) -> None:
 
 def failed(name: str, message: str) -> None:
     report(Failed(name, os.getpid(), message))
+
+
+def exit_with_parent(parent: int) -> None:
+    """SIGTERM this process once `parent` is gone (even SIGKILLed), also while the main thread
+    is busy, e.g. loading a model: no orphan outlives the tree it belonged to."""
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()

@@ -69,6 +69,7 @@ def run_worker(config: EngineConfig, num_blocks: int, plan_ring: str, result_rin
     setup_logging(log_level, name)
     set_title(name)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's to handle
+    launch.exit_with_parent(os.getppid())  # the rings watch the scheduler too, once loaded
     plans = RingReader(plan_ring, rank, plan_side)
     results = RingWriter(result_ring, [result_side])
     try:
@@ -130,6 +131,8 @@ class ProcessRunner:
         try:
             msg = self._wait_ready()
         except BaseException:  # also SIGTERM meanwhile: release the rings before unwinding
+            self.proc.kill()  # still starting: nothing to finish gracefully
+            self.proc.join(5)
             self._teardown()
             raise
         if not isinstance(msg, WorkerReady):
