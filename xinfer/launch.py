@@ -206,7 +206,10 @@ class Supervisor:
             if p is None:
                 continue
             if p.is_alive():
-                p.terminate()
+                if name == API and self.signals > 1:
+                    p.kill()  # a second Ctrl-C: no more waiting for the drain
+                else:
+                    p.terminate()
                 p.join(10)
             if p.is_alive():
                 log.warning("%s did not stop; killing it", name)
