@@ -1,4 +1,4 @@
-"""`xinfer serve` end to end: the API process, the engine core process, the openai client."""
+"""`xinfer serve` end to end: the supervisor, the API process, the scheduler process, the openai client."""
 import json
 import os
 import signal
@@ -250,7 +250,8 @@ def _bound_unix_paths(pid):
 def test_garbage_frame_into_api_socket_is_dropped(server):
     import zmq
     base, _, pid = server
-    path = next(p for p in _bound_unix_paths(pid) if p.endswith("from_engine"))
+    api = next(p for p in _descendants(pid) if _title(p) == "xinfer::api")
+    path = next(p for p in _bound_unix_paths(api) if p.endswith("from_engine"))
     s = zmq.Context.instance().socket(zmq.PUSH)
     s.connect("ipc://" + path)
     s.send(b"\x00\xffnot a message")
@@ -263,10 +264,11 @@ def test_garbage_frame_into_api_socket_is_dropped(server):
 def test_engine_death_stops_the_server_nonzero():
     proc, base, _ = start_server("--kv-cache-gb", "0.1")
     tree = _descendants(proc.pid)
-    engine = [p for p in tree if _title(p) == "xinfer::engine"]
+    engine = [p for p in tree if _title(p) == "xinfer::scheduler"]
     assert len(engine) == 1
     os.kill(engine[0], signal.SIGKILL)
     assert proc.wait(60) == 1
+    assert "xinfer::scheduler exited unexpectedly" in proc.stdout.read()
     deadline = time.time() + 20  # each child notices its parent is gone (a child still starting takes longer)
     while time.time() < deadline and _alive_xinfer(tree):
         time.sleep(0.2)

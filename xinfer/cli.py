@@ -18,7 +18,7 @@ def setup_logging(level: str = "info", name: str = "xinfer") -> None:
 
 
 def set_title(name: str) -> None:
-    """Name the process for ps and top (xinfer::api, xinfer::engine, xinfer::worker-0)."""
+    """Name the process for ps and top (xinfer::launch, xinfer::api, xinfer::scheduler, ...)."""
     try:
         import setproctitle
         setproctitle.setproctitle(name)
@@ -77,14 +77,20 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from xinfer.api.server import serve
+    from xinfer.launch import launch
 
-    serve(engine_config(args), args.host, args.port, args.log_level, args.max_queued_requests,
-          args.drain_timeout, ui_port=args.port + 1 if args.ui_server else None,
-          api_key=args.api_key or os.environ.get("XINFER_API_KEY") or None,
-          max_n=args.max_n, max_request_bytes=args.max_request_bytes, enforce_parser=args.enforce_parser,
-          disable_reasoning=args.disable_reasoning, keepalive_s=args.sse_keepalive)
-    return 0
+    if not args.startup_timeout > 0:
+        raise ValueError(f"--startup-timeout must be > 0 seconds, got {args.startup_timeout}")
+    from xinfer.parsers import TOOL_PARSERS
+    if args.enforce_parser is not None and args.enforce_parser not in TOOL_PARSERS:
+        raise ValueError(f"--enforce-parser {args.enforce_parser!r} is not one of {', '.join(TOOL_PARSERS)}")
+    api_options = dict(ui_port=args.port + 1 if args.ui_server else None,
+                       api_key=args.api_key or os.environ.get("XINFER_API_KEY") or None,
+                       max_n=args.max_n, max_request_bytes=args.max_request_bytes,
+                       enforce_parser=args.enforce_parser, disable_reasoning=args.disable_reasoning,
+                       keepalive_s=args.sse_keepalive)
+    return launch(engine_config(args), args.host, args.port, args.log_level, args.max_queued_requests,
+                  args.drain_timeout, args.startup_timeout, api_options)
 
 
 def main(argv=None) -> int:
@@ -104,7 +110,8 @@ def main(argv=None) -> int:
     g.add_argument("--no-chat", action="store_true", help="send prompts raw, without the chat template")
     g.set_defaults(func=cmd_generate)
 
-    s = sub.add_parser("serve", help="start the OpenAI-compatible server with the web chat page")
+    s = sub.add_parser("serve", help="start the OpenAI-compatible server with the web chat page "
+                       "(under the xinfer-launch supervisor)")
     add_engine_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
@@ -126,10 +133,12 @@ def main(argv=None) -> int:
                    help="seconds without output before a stream gets a keep-alive comment")
     s.add_argument("--ui-server", action="store_true",
                    help="also serve the web chat page on port + 1 (the API port serves it at / too)")
+    s.add_argument("--startup-timeout", type=float, default=600.0,
+                   help="seconds every process may take to start (loading a big model takes a while)")
     s.set_defaults(func=cmd_serve)
 
     args = parser.parse_args(argv)
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, "xinfer::launch" if args.command == "serve" else "xinfer")
     try:
         return args.func(args)
     except (XinferError, ValueError, FileNotFoundError) as e:

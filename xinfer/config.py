@@ -26,7 +26,8 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     prefix_cache_max_tokens: int | None = None  # cap on tokens kept for reuse; None: the whole cache
     seed: int = 0
-    max_restarts: int = 5  # model worker restarts (by recompute) before the engine gives up
+    max_restarts: int = 5  # child restarts (worker by recompute, detokenizer/parser) allowed ...
+    restart_window: float = 300.0  # ... within this many seconds, before the engine gives up
 
     def __post_init__(self):
         if self.device == "auto":
@@ -38,6 +39,10 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if not self.restart_window > 0:
+            raise ValueError(f"--restart-window must be > 0 seconds, got {self.restart_window}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"--load-format must be 'auto' or 'dummy', got {self.load_format!r}")
 

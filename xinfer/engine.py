@@ -15,7 +15,7 @@ from xinfer.loader import load_model_info
 from xinfer.sampling_params import SamplingParams
 from xinfer.scheduler import FINISHED, Scheduler, Sequence
 from xinfer.workers.model_runner import ModelRunner, num_kv_blocks
-from xinfer.workers.worker import WorkerDied
+from xinfer.workers.worker import RestartBudget, WorkerDied
 
 log = logging.getLogger("xinfer.engine")
 
@@ -84,6 +84,7 @@ class Engine:
         self._zero: list[Sequence] = []  # max_tokens=0 requests: finished without running
         self.num_prompt_tokens = self.num_generation_tokens = self.num_cached_prompt_tokens = 0
         self.default_params = default_sampling_params(self.info.generation_config)
+        self.restart_budget = RestartBudget(config.max_restarts, config.restart_window)
 
     # ---- requests ----
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -194,12 +195,22 @@ class Engine:
     def _recover(self, err: Exception) -> None:
         """A worker died: start a new one and recompute every running sequence from its tokens.
         Clients see a slower response, not an error; greedy outputs are unchanged."""
-        if self.runner.restarts >= self.config.max_restarts:
-            raise RuntimeError(f"the model worker died {self.runner.restarts + 1} times; giving up ({err})")
-        log.warning("model worker died (%s); restarting it and recomputing %d sequences", err,
-                    len(self.scheduler.running))
-        self.scheduler.reset_worker_state()
-        self.runner.restart()
+        while True:  # a worker that dies while it starts counts as one more restart
+            self.restart_budget.record("xinfer::worker-0", str(err))
+            log.warning("model worker died (%s); restarting it and recomputing %d sequences", err,
+                        len(self.scheduler.running))
+            self.scheduler.reset_worker_state()
+            try:
+                self.runner.restart()
+                return
+            except WorkerDied as e:
+                err = e
+
+    def check_worker(self) -> None:
+        """Restart a worker process that died while the engine was idle (before a request needs it)."""
+        proc = getattr(self.runner, "proc", None)
+        if proc is not None and not proc.is_alive():
+            self._recover(WorkerDied(f"exit code {proc.exitcode}"))
 
     def close(self) -> None:
         if hasattr(self.runner, "close"):

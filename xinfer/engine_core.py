@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import sys
 import time
@@ -23,6 +24,7 @@ import zmq
 
 from xinfer.config import EngineConfig
 from xinfer.errors import XinferError
+from xinfer.ipc import launch
 from xinfer.ipc.api import Abort, FromEngine, GenerateRequest, Ready, RequestError, Stats, ToEngine
 from xinfer.ipc.channels import Codec, endpoint, socket
 from xinfer.ipc.step import pack_ids, unpack_ids
@@ -38,26 +40,53 @@ _KEEP_FINISHED_S = 60.0  # finished sequences stay resendable this long after a 
 
 def run_engine_core(config: EngineConfig, rundir: str, in_addr: str, out_addr: str, log_level: str,
                     parent: int) -> None:
-    """`parent` is the API process: when it is gone, this process stops (it is passed in
-    rather than read here, since the parent may die while this process is still starting)."""
+    """`parent` is the supervisor: when it is gone, this process stops (it is passed in rather
+    than read here, since the parent may die while this process is still starting)."""
     from xinfer.cli import set_title, setup_logging
     from xinfer.engine import Engine
 
-    setup_logging(log_level, "xinfer::engine")
-    set_title("xinfer::engine")
-    # SIGTERM (the API process stopping us) unwinds through the finally clauses: the
-    # children and the shared-memory rings are released.
+    name = "xinfer::scheduler"
+    setup_logging(log_level, name)
+    set_title(name)
+    # SIGTERM (the supervisor stopping us) unwinds through the finally clauses: the children
+    # and the shared-memory rings are released. Ctrl-C is the supervisor's to handle (it
+    # drains first); the children started from here inherit the ignored SIGINT.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    launch.exit_with_parent(parent)  # the loop below checks too; this also covers a long model load
     core = EngineCore(config, rundir, in_addr, out_addr, log_level, parent)
-    engine = Engine(config, worker="process", log_level=log_level, detokenize=False)
     try:
+        engine = Engine(config, worker="process", log_level=log_level, detokenize=False)
+    except Exception as e:  # a bad model or flag: the supervisor shows the message and stops
+        log.debug("start-up failed", exc_info=True)
+        _fail(name, e)
+    try:
+        core.budget = engine.restart_budget
         core.start_pipeline()
-        core.push.send(core.tx.encode(Ready(engine.info.name, engine.max_model_len)))
+        core.push.send(core.tx.encode(Ready(engine.info.name, engine.max_model_len, os.getpid())))
+        launch.started(name, [p.name for p in core.procs])
         log.info("ready")
         core.serve(engine)
+    except XinferError as e:  # e.g. too many child restarts: a clear message, no traceback
+        _fail(name, e)
+    except Exception as e:
+        log.exception("stopped by an unexpected error")
+        _fail(name, e)
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
         core.stop_pipeline()
         engine.close()
+        if core.orphaned or os.getppid() != parent:  # nobody is left to clean up or to wait: be gone
+            shutil.rmtree(rundir, ignore_errors=True)
+            logging.shutdown()
+            os._exit(1)
+
+
+def _fail(name: str, e: Exception):
+    message = str(e) if isinstance(e, XinferError) else f"{type(e).__name__}: {e}"
+    log.error("%s", message)
+    launch.failed(name, message)
+    raise SystemExit(1)
 
 
 class EngineCore:
@@ -78,6 +107,8 @@ class EngineCore:
         self.procs: list = []
         self.to_detok = None
         self.pipeline_restarts = 0
+        self.budget = None  # the engine's RestartBudget, shared with worker restarts
+        self.orphaned = False
 
     # ---- the detokenizer -> parser pipeline ----
     def start_pipeline(self) -> None:
@@ -122,9 +153,10 @@ class EngineCore:
         if all(p.is_alive() for p in self.procs):
             return False
         self.pipeline_restarts += 1
-        if self.pipeline_restarts > self.config.max_restarts:
-            raise RuntimeError(f"the detokenizer/parser died {self.pipeline_restarts} times; giving up")
         dead = [p.name for p in self.procs if not p.is_alive()]
+        if self.budget is not None:
+            self.budget.record(" and ".join(dead), "exit code " + ", ".join(
+                str(p.exitcode) for p in self.procs if not p.is_alive()))
         log.warning("%s died; restarting the detokenizer/parser pair and resending %d sequences",
                     ", ".join(dead), len(self.live))
         self.stop_pipeline()
@@ -151,10 +183,12 @@ class EngineCore:
                 timeout = 0
                 self._handle(engine, self.rx.decode(self.pull.recv()))
             self._purge()
+            if os.getppid() != self.parent:  # the supervisor is gone (even SIGKILLed): stop
+                log.warning("the supervisor exited; stopping")
+                self.orphaned = True
+                return
             if not engine.has_unfinished():
-                if os.getppid() != self.parent:  # the API process is gone: nothing to serve
-                    log.warning("parent exited; stopping")
-                    return
+                engine.check_worker()  # a worker that died while idle is replaced now
                 continue
             t = time.perf_counter()
             deltas = engine.step()

@@ -6,7 +6,6 @@ import asyncio
 import functools
 import hmac
 import logging
-import multiprocessing as mp
 import os
 import shutil
 import signal
@@ -27,13 +26,14 @@ from xinfer.api.protocol import (ApiError, chat_text, completion_prompts, parse_
 from xinfer.api.responses import (ChoiceState, TokenStrings, chat_delta, chat_logprobs, completion_logprobs,
                                   merge_completion_logprobs)
 from xinfer.config import EngineConfig
-from xinfer.engine_core import run_engine_core
-from xinfer.errors import InvalidRequestError
+from xinfer.errors import InvalidRequestError, XinferError
+from xinfer.ipc import launch
 from xinfer.ipc.api import Abort, FromEngine, GenerateRequest, Ready, RequestError, Stats, ToEngine
+from xinfer.ipc.channels import Codec, endpoint, socket
+from xinfer.ipc.shm_ring import pid_alive
+from xinfer.ipc.step import pack_ids, unpack_ids
 from xinfer.ipc.text import ParseSpec, TextBatch
 from xinfer.parsers import choose_tool_parser, get_tool_parser, reasoning_markers, starts_in_reasoning
-from xinfer.ipc.channels import Codec, endpoint, runtime_dir, socket
-from xinfer.ipc.step import pack_ids, unpack_ids
 from xinfer.loader import load_model_info
 
 log = logging.getLogger("xinfer.api")
@@ -41,13 +41,13 @@ WEB_PAGE = Path(__file__).parent / "web" / "index.html"
 
 
 class EngineClient:
-    """The API side of the engine core: one queue per in-flight request."""
+    """The API side of the engine core: one queue per in-flight request. The supervisor starts
+    the engine core; both find each other's sockets in the supervisor's runtime directory."""
 
-    def __init__(self, config: EngineConfig, log_level: str, metrics: Metrics, on_death):
-        self.config = config
+    def __init__(self, rundir: str, metrics: Metrics, on_death):
         self.on_death = on_death
         self.metrics = metrics
-        self.rundir = runtime_dir()
+        self.rundir = rundir
         self.ctx = zmq.asyncio.Context()
         in_addr, out_addr = endpoint(self.rundir, "to_engine"), endpoint(self.rundir, "from_engine")
         self.push = socket(self.ctx, zmq.PUSH, in_addr, bind=True)
@@ -56,10 +56,6 @@ class EngineClient:
         self.queues: dict[str, asyncio.Queue] = {}
         self.ready: Ready | None = None
         self.dead = False
-        self.proc = mp.get_context("spawn").Process(
-            target=run_engine_core, name="xinfer::engine",
-            args=(config, self.rundir, in_addr, out_addr, log_level, os.getpid()))
-        self.proc.start()
 
     async def pump(self):
         """Route engine outputs to their requests; notice an engine that died."""
@@ -80,9 +76,9 @@ class EngineClient:
                 elif isinstance(msg, Ready):
                     self.ready = msg
                     log.info("engine ready: %s, max_model_len %d", msg.model, msg.max_model_len)
-            elif not self.proc.is_alive() and not self.dead:
+            elif self.ready is not None and not pid_alive(self.ready.pid) and not self.dead:
                 self.dead = True
-                log.error("engine core exited with code %s; stopping the server", self.proc.exitcode)
+                log.error("the engine core (pid %d) exited; stopping the server", self.ready.pid)
                 for q in self.queues.values():
                     q.put_nowait(RuntimeError("the engine stopped"))
                 await asyncio.sleep(0.2)  # let streams send their error event
@@ -139,10 +135,8 @@ class EngineClient:
                 await self.push.send(self.tx.encode(Abort(request_id)))
 
     def close(self):
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(5)
-        shutil.rmtree(self.rundir, ignore_errors=True)
+        self.push.close()
+        self.pull.close()
 
 
 @dataclass
@@ -156,11 +150,15 @@ class ApiOptions:
     keepalive_s: float = 15.0  # SSE comment after this long without output
 
 
-def create_app(config: EngineConfig, log_level: str = "info", max_queued_requests: int = 256,
-               drain_timeout: float = 30.0, ui_port: int | None = None, **options) -> Sanic:
+def create_app(config: EngineConfig, rundir: str, max_queued_requests: int = 256, drain_timeout: float = 30.0,
+               parent: int | None = None, ui_port: int | None = None, **options) -> Sanic:
+    """The API app. It binds its engine sockets in `rundir`, where the engine core (started by
+    the supervisor) connects; `parent`, the supervisor's pid: the app stops when it is gone.
+    `options` are ApiOptions fields."""
     opts = ApiOptions(**options)
-    app = Sanic("xinfer")
+    app = Sanic("xinfer", configure_logging=False)  # Sanic's loggers follow --log-level
     app.ctx.draining = False
+    app.ctx.launched = parent is None  # under the supervisor: its SIGUSR1 says every process is ready
     # No response timeout cuts a long generation; bodies and headers are kept small.
     app.config.RESPONSE_TIMEOUT = 7 * 24 * 3600
     app.config.KEEP_ALIVE_TIMEOUT = 75
@@ -187,14 +185,27 @@ def create_app(config: EngineConfig, log_level: str = "info", max_queued_request
             app.ctx.failed = True
             app.stop()
         app.ctx.failed = False
-        app.ctx.client = EngineClient(config, log_level, metrics, engine_died)
+        app.ctx.client = EngineClient(rundir, metrics, engine_died)
         app.ctx.pump = asyncio.get_running_loop().create_task(app.ctx.client.pump())
+        if parent is not None:
+            app.ctx.watch = asyncio.get_running_loop().create_task(watch_parent())
+
+    async def watch_parent():
+        """The supervisor was killed (even by SIGKILL): stop within a few seconds, no orphan."""
+        while os.getppid() == parent:
+            await asyncio.sleep(1)
+        log.warning("the supervisor exited; stopping")
+        app.ctx.failed = app.ctx.orphaned = True
+        asyncio.get_running_loop().call_later(3, os._exit, 1)  # open connections must not hold us
+        app.stop()
 
     @app.after_server_start
     async def on_signals(app):
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda: app.ctx.draining or loop.create_task(drain()))
+        loop.add_signal_handler(signal.SIGUSR1, lambda: setattr(app.ctx, "launched", True))
+        launch.started("xinfer::api")  # listening: the supervisor starts the engine core next
 
     async def drain():
         """Stop admitting (503), let in-flight requests finish up to the drain timeout,
@@ -213,6 +224,8 @@ def create_app(config: EngineConfig, log_level: str = "info", max_queued_request
     @app.after_server_stop
     async def stop(app):
         app.ctx.pump.cancel()
+        if parent is not None:
+            app.ctx.watch.cancel()
         app.ctx.client.close()
 
     @app.exception(ApiError)
@@ -262,7 +275,7 @@ def create_app(config: EngineConfig, log_level: str = "info", max_queued_request
     @app.get("/health")
     async def health(request):
         c = app.ctx.client
-        ok = c.ready is not None and not c.dead
+        ok = c.ready is not None and not c.dead and app.ctx.launched
         return response.json({"status": "ok" if ok else "loading" if not c.dead else "dead"},
                              status=200 if ok else 503)
 
@@ -339,7 +352,7 @@ def create_app(config: EngineConfig, log_level: str = "info", max_queued_request
     def _admit():
         """503 with Retry-After while loading, draining or past the queue limit."""
         c = app.ctx.client
-        if c.ready is None or c.dead or app.ctx.draining:
+        if c.ready is None or c.dead or app.ctx.draining or not app.ctx.launched:
             why, retry = ("shutting down" if app.ctx.draining else "not ready"), 5
         elif len(c.queues) >= config.max_num_seqs + max_queued_requests:
             why, retry = f"full: too many requests queued (limit {max_queued_requests})", 1
@@ -658,10 +671,32 @@ def _listen_for_ui(app: Sanic, ui_port: int) -> None:
             conn.abort()
 
 
-def serve(config: EngineConfig, host: str, port: int, log_level: str = "info", max_queued_requests: int = 256,
-          drain_timeout: float = 30.0, ui_port: int | None = None, **options) -> None:
-    app = create_app(config, log_level, max_queued_requests, drain_timeout, ui_port, **options)
+def serve(config: EngineConfig, rundir: str, host: str, port: int, log_level: str = "info",
+          max_queued_requests: int = 256, drain_timeout: float = 30.0, parent: int | None = None,
+          api_options: dict | None = None) -> None:
+    """The API process, started by the supervisor (xinfer/launch.py); `api_options`: create_app's
+    keyword arguments (ui_port and ApiOptions fields)."""
+    from xinfer.cli import set_title, setup_logging
+
+    name = "xinfer::api"
+    setup_logging(log_level, name)
+    set_title(name)
+    try:
+        app = create_app(config, rundir, max_queued_requests, drain_timeout, parent, **(api_options or {}))
+    except Exception as e:  # a bad model path, an unreadable tokenizer: shown by the supervisor
+        log.debug("start-up failed", exc_info=True)
+        known = isinstance(e, (XinferError, OSError, ValueError))
+        launch.failed(name, str(e) if known else f"{type(e).__name__}: {e}")
+        raise SystemExit(1)
     log.info("serving %s on http://%s:%d", config.model or "the bundled SmolLM2-135M-Instruct", host, port)
-    app.run(host=host, port=port, single_process=True, access_log=False, motd=False)
+    try:
+        app.run(host=host, port=port, single_process=True, access_log=False, motd=False)
+    except OSError as e:  # the port is taken
+        launch.failed(name, f"cannot listen on {host}:{port}: {e.strerror or e}")
+        raise SystemExit(1)
+    if getattr(app.ctx, "orphaned", False):  # nobody waits for a clean exit: be gone at once
+        shutil.rmtree(rundir, ignore_errors=True)
+        logging.shutdown()
+        os._exit(1)
     if app.ctx.failed:
-        raise SystemExit(1)  # the engine died: a supervisor (systemd, k8s) should restart us
+        raise SystemExit(1)  # the engine died

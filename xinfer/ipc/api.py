@@ -22,6 +22,7 @@ class Abort(msgspec.Struct, array_like=True, tag="abort"):
 class Ready(msgspec.Struct, array_like=True, tag="ready"):
     model: str
     max_model_len: int
+    pid: int = 0  # the engine core's: the API watches it
 
 
 class Stats(msgspec.Struct, array_like=True, tag="stats"):

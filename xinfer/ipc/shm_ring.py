@@ -40,7 +40,7 @@ class RingClosed(RuntimeError):
     pass
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     if pid <= 0:
         return True  # not registered yet
     try:
@@ -113,7 +113,7 @@ def _wait(ready, peers, ring: _Ring, what: str, timeout: float | None):
             if ring.is_shutdown:
                 raise RingClosed(f"ring {ring.name} shut down while waiting to {what}")
             for pid in peers():
-                if not _alive(pid):
+                if not pid_alive(pid):
                     raise PeerDied(f"process {pid} died while this one waited to {what}")
         if timeout is not None and now - start > timeout:
             raise TimeoutError(f"timed out waiting to {what}")

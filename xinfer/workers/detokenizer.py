@@ -7,6 +7,7 @@ import os
 import zmq
 
 from xinfer.detokenizer import IncrementalDetokenizer
+from xinfer.ipc import launch
 from xinfer.ipc.channels import Codec, socket
 from xinfer.ipc.step import unpack_ids
 from xinfer.ipc.text import ParseInit, StopHit, TextBatch, TextDelta, TokenBatch
@@ -28,6 +29,7 @@ def run_detokenizer(model: str | None, load_format: str, in_addr: str, out_addr:
     stops = socket(ctx, zmq.PUSH, stop_addr, bind=False)
     rx, tx = Codec(TokenBatch), Codec(TextBatch | StopHit)
     seqs: dict[int, tuple] = {}  # seq id -> (request id, index, detokenizer, tokens so far)
+    launch.started("xinfer::detokenizer")
     while True:
         if not pull.poll(1000):
             if os.getppid() != parent:

@@ -12,6 +12,7 @@ import os
 
 import zmq
 
+from xinfer.ipc import launch
 from xinfer.ipc.channels import Codec, socket
 from xinfer.ipc.text import ParseSpec, TextBatch, ToolCallChunk
 
@@ -88,6 +89,7 @@ def run_parser(in_addr: str, out_addr: str, log_level: str, parent: int) -> None
     push = socket(ctx, zmq.PUSH, out_addr, bind=False)
     codec = Codec(TextBatch)
     states: dict[tuple[str, int], ChoiceParser] = {}
+    launch.started("xinfer::parser")
     while True:
         if not pull.poll(1000):
             if os.getppid() != parent:

@@ -7,14 +7,18 @@ scheduler recomputes the lost state from the tokens it holds.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import multiprocessing as mp
 import os
+import signal
 import time
 
 import msgspec
 
 from xinfer.config import EngineConfig
+from xinfer.errors import XinferError
+from xinfer.ipc import launch
 from xinfer.ipc.channels import Codec, endpoint
 from xinfer.ipc.shm_ring import PeerDied, RingClosed, RingReader, RingWriter, create_ring
 from xinfer.ipc.step import StepPlan, StepResult
@@ -33,6 +37,28 @@ class WorkerDied(RuntimeError):
     pass
 
 
+class TooManyRestarts(XinferError):
+    pass
+
+
+class RestartBudget:
+    """--max-restarts child restarts within --restart-window seconds, shared by every child
+    the engine restarts (the worker, the detokenizer, the parser); one more is an error."""
+
+    def __init__(self, max_restarts: int, window: float):
+        self.max, self.window = max_restarts, window
+        self.times: collections.deque[float] = collections.deque()
+
+    def record(self, child: str, why: str) -> None:
+        now = time.monotonic()
+        self.times.append(now)
+        while self.times and now - self.times[0] > self.window:
+            self.times.popleft()
+        if len(self.times) > self.max:
+            raise TooManyRestarts(f"{child} died ({why}): {len(self.times)} child restarts within "
+                                  f"{self.window:g}s, more than --max-restarts {self.max} allows; giving up")
+
+
 def run_worker(config: EngineConfig, num_blocks: int, plan_ring: str, result_ring: str, plan_side: str,
                result_side: str, rank: int, log_level: str) -> None:
     from xinfer.cli import setup_logging, set_title
@@ -42,18 +68,30 @@ def run_worker(config: EngineConfig, num_blocks: int, plan_ring: str, result_rin
     name = f"xinfer::worker-{rank}"
     setup_logging(log_level, name)
     set_title(name)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's to handle
+    launch.exit_with_parent(os.getppid())  # the rings watch the scheduler too, once loaded
     plans = RingReader(plan_ring, rank, plan_side)
     results = RingWriter(result_ring, [result_side])
-    runner = ModelRunner(config, load_model_info(config.model, config.load_format), num_blocks)
+    try:
+        runner = ModelRunner(config, load_model_info(config.model, config.load_format), num_blocks)
+    except Exception as e:
+        log.debug("start-up failed", exc_info=True)
+        log.error("could not start: %s", e)
+        launch.failed(name, f"{type(e).__name__}: {e}" if not isinstance(e, XinferError) else str(e))
+        raise SystemExit(1)
     enc = msgspec.msgpack.Encoder()
     dec = Codec(StepPlan)
+    launch.started(name)
     results.write(enc.encode(WorkerReady(os.getpid())))
     while True:
         try:
             frame = plans.read()
         except (PeerDied, RingClosed):
             log.info("scheduler gone or shutting down; exiting")
-            return
+            # Nothing to clean up here (the scheduler owns the rings), and tearing down an
+            # interpreter with torch loaded takes seconds: leave at once.
+            logging.shutdown()
+            os._exit(0)
         plan = dec.decode(frame)
         # An undecodable plan is answered with step -1: the scheduler then rebuilds this
         # worker's state by recompute instead of waiting for a result that never comes.
@@ -71,6 +109,7 @@ class ProcessRunner:
         self.generation = 0
         self.restarts = 0
         self.proc = None
+        self._shms = []
         self._codec = Codec(StepResult | WorkerReady)
         self._enc = msgspec.msgpack.Encoder()
         self._start()
@@ -89,21 +128,30 @@ class ProcessRunner:
             args=(self.config, self.num_blocks, self._shms[0].name, self._shms[1].name, plan_side, result_side,
                   0, self.log_level))
         self.proc.start()
+        try:
+            msg = self._wait_ready()
+        except BaseException:  # also SIGTERM meanwhile: release the rings before unwinding
+            self.proc.kill()  # still starting: nothing to finish gracefully
+            self.proc.join(5)
+            self._teardown()
+            raise
+        if not isinstance(msg, WorkerReady):
+            raise WorkerDied("the worker sent something other than its ready message")
+        log.info("worker %d ready (pid %d)", g, msg.pid)
+
+    def _wait_ready(self):
         deadline = time.monotonic() + self.startup_timeout
         while True:
             try:
-                msg = self._codec.decode(self.results.read(timeout=0.5))
-                break
-            except TimeoutError:
+                return self._codec.decode(self.results.read(timeout=0.5))
+            except (TimeoutError, PeerDied):
                 if not self.proc.is_alive():
+                    self.proc.join()
                     raise WorkerDied(f"the worker exited during start-up (exit code {self.proc.exitcode}); "
                                      "see its log above") from None
                 if time.monotonic() > deadline:
                     self.proc.kill()
                     raise WorkerDied(f"the worker did not start within {self.startup_timeout:.0f}s") from None
-        if not isinstance(msg, WorkerReady):
-            raise WorkerDied("the worker sent something other than its ready message")
-        log.info("worker %d ready (pid %d)", g, msg.pid)
 
     def execute(self, plan: StepPlan) -> StepResult:
         try:
@@ -121,6 +169,8 @@ class ProcessRunner:
         self._start()
 
     def _teardown(self) -> None:
+        if not self._shms:
+            return  # already done (a restart whose start failed)
         if self.proc is not None and self.proc.is_alive():
             self.plans.shutdown()
             self.proc.join(5)
@@ -138,6 +188,7 @@ class ProcessRunner:
                 shm.unlink()
             except FileNotFoundError:
                 pass
+        self._shms = []
 
     def close(self) -> None:
         self._teardown()

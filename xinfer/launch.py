@@ -1,0 +1,253 @@
+"""xinfer-launch: the supervisor (`xinfer serve` and `xinfer-launch` run it).
+
+    xinfer::launch                 this process: starts, watches and stops the others
+    ├── xinfer::api                Sanic on uvloop, the only network listener
+    └── xinfer::scheduler          the engine core: owns every request's tokens
+        ├── xinfer::worker-0       the model (restarted by the scheduler, by recompute)
+        ├── xinfer::detokenizer    (restarted by the scheduler, resynchronised)
+        └── xinfer::parser         (restarted with the detokenizer)
+
+Start-up is ordered, with a ready handshake: the supervisor binds a ZMQ PULL socket in its
+private 0700 runtime directory and names it in the XINFER_LAUNCH environment variable; each
+xinfer process pushes `Started` (msgspec, xinfer/ipc/launch.py) when it is ready, or `Failed`
+with its error text. The API goes first: it listens at once and answers /health 503 while the
+model loads. Then the scheduler: it loads the model, starts the worker, the detokenizer and the
+parser, and reports which children to wait for. All within --startup-timeout. When every one
+has reported, the supervisor sends the API SIGUSR1 and /health turns 200. A child that fails
+to start stops the launch with its message (exit code 1).
+
+Once running: if the API or the scheduler dies, the rest is stopped and the exit code is 1.
+The scheduler itself restarts a dead worker, detokenizer or parser (it holds the token history
+that makes a restart lossless); more than --max-restarts restarts within --restart-window
+seconds make it stop with a message naming the child, and the supervisor shuts down (1).
+SIGTERM or SIGINT: the API drains (503 for new requests, in-flight ones finish up to
+--drain-timeout), then the scheduler stops, the runtime directory is removed, exit code 0; a
+second signal skips the rest of the drain. Every child watches its parent, so none survives
+even a SIGKILL of the supervisor.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import sys
+import time
+
+import zmq
+
+from xinfer.config import EngineConfig
+from xinfer.ipc import launch as msgs
+from xinfer.ipc.channels import Codec, endpoint, runtime_dir, socket
+from xinfer.ipc.shm_ring import pid_alive
+
+log = logging.getLogger("xinfer.launch")
+
+API, SCHEDULER = "xinfer::api", "xinfer::scheduler"
+
+
+class LaunchFailed(Exception):
+    """Stops the launch; the message is shown to the user."""
+
+
+def _run_api(*args) -> None:  # imported in the child only: the supervisor stays small
+    from xinfer.api.server import serve
+    serve(*args)
+
+
+def _run_scheduler(*args) -> None:
+    from xinfer.engine_core import run_engine_core
+    run_engine_core(*args)
+
+
+class Supervisor:
+    def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+                 max_queued_requests: int = 256, drain_timeout: float = 30.0, startup_timeout: float = 600.0,
+                 api_options: dict | None = None):
+        self.config, self.host, self.port, self.log_level = config, host, port, log_level
+        self.api_options = api_options or {}
+        self.max_queued_requests, self.drain_timeout = max_queued_requests, drain_timeout
+        self.startup_timeout = startup_timeout
+        self.procs: dict[str, mp.process.BaseProcess] = {}
+        self.started: dict[str, int] = {}  # name -> pid of its latest Started
+        self.pids: set[int] = set()  # every xinfer process that reported: none may outlive us
+        self.expect: set[str] = set()
+        self.failures: list[msgs.Failed] = []
+        self.signals = 0
+        self.ready = False
+
+    # ---- the whole life ----
+    def run(self) -> int:
+        self.rundir = runtime_dir()
+        self.ctx = zmq.Context()
+        addr = endpoint(self.rundir, "launch")
+        self.inbox = socket(self.ctx, zmq.PULL, addr, bind=True)
+        self.codec = Codec(msgs.LaunchMessage)
+        os.environ[msgs.ENV] = addr  # every process started from here reports to the inbox
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            return self._run()
+        except LaunchFailed as e:
+            print(f"xinfer: error: {e}", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            self._stop_all()
+            for s, h in old.items():
+                signal.signal(s, h)
+            os.environ.pop(msgs.ENV, None)
+            self.inbox.close()
+            self.ctx.term()
+            shutil.rmtree(self.rundir, ignore_errors=True)
+
+    def _run(self) -> int:
+        deadline = time.monotonic() + self.startup_timeout
+        in_addr, out_addr = endpoint(self.rundir, "to_engine"), endpoint(self.rundir, "from_engine")
+        self._start(API, _run_api, (self.config, self.rundir, self.host, self.port, self.log_level,
+                                    self.max_queued_requests, self.drain_timeout, os.getpid(), self.api_options))
+        if not self._wait_started({API}, deadline):
+            return 0
+        self._start(SCHEDULER, _run_scheduler, (self.config, self.rundir, in_addr, out_addr, self.log_level,
+                                                os.getpid()))
+        if not self._wait_started({SCHEDULER}, deadline):
+            return 0
+        self.ready = True
+        os.kill(self.procs[API].pid, signal.SIGUSR1)  # every process is up: /health turns 200
+        log.info("ready on http://%s:%d (%s)", self.host, self.port,
+                 ", ".join(f"{n} {p}" for n, p in self.started.items()))
+        return self._watch()
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signals += 1
+
+    # ---- start-up ----
+    def _start(self, name: str, target, args) -> None:
+        p = mp.get_context("spawn").Process(target=target, name=name, args=args)
+        p.start()
+        self.procs[name] = p
+
+    def _wait_started(self, names: set[str], deadline: float) -> bool:
+        """Wait until `names` (and the children they announce) are ready; False if a signal
+        asked us to stop meanwhile."""
+        self.expect |= names
+        while not self.expect <= self.started.keys():
+            if self.signals:
+                log.warning("stopping during start-up")
+                return False
+            self._receive(0.25)
+            if self.failures:
+                f = self.failures[0]
+                raise LaunchFailed(f"{f.name} failed to start: {f.message}")
+            for name, p in self.procs.items():
+                if not p.is_alive():
+                    self._receive(0.5)  # its Failed message may still be on the way
+                    if self.failures:
+                        f = self.failures[0]
+                        raise LaunchFailed(f"{f.name} failed to start: {f.message}")
+                    raise LaunchFailed(f"{name} exited during start-up (exit code {p.exitcode}); see the log above")
+            if time.monotonic() > deadline:
+                missing = ", ".join(sorted(self.expect - self.started.keys()))
+                raise LaunchFailed(f"start-up timed out after {self.startup_timeout:g}s waiting for {missing} "
+                                   "(a big model may need a larger --startup-timeout)")
+        return True
+
+    def _receive(self, timeout: float) -> None:
+        """Handle the messages that arrive within `timeout` seconds."""
+        wait = int(timeout * 1000)
+        while self.inbox.poll(wait):
+            wait = 0
+            msg = self.codec.decode(self.inbox.recv())
+            if isinstance(msg, msgs.Started):
+                if self.ready:
+                    log.info("%s restarted (pid %d)", msg.name, msg.pid)
+                self.started[msg.name] = msg.pid
+                self.failures = [f for f in self.failures if f.name != msg.name]  # it came back
+                self.pids.add(msg.pid)
+                self.expect |= set(msg.expect)
+            elif isinstance(msg, msgs.Failed):
+                log.debug("%s failed: %s", msg.name, msg.message)
+                self.failures.append(msg)
+
+    # ---- running ----
+    def _watch(self) -> int:
+        while True:
+            if self.signals:
+                return self._drain()
+            self._receive(0.5)
+            for name in (SCHEDULER, API):  # the scheduler first: its death also stops the API
+                p = self.procs[name]
+                if not p.is_alive():
+                    self._receive(0.5)
+                    why = "; ".join(f"{f.name}: {f.message}" for f in self.failures) or \
+                        f"exited unexpectedly (exit code {p.exitcode})"
+                    who = "" if self.failures else name + " "
+                    print(f"xinfer: error: {who}{why}; shutting down", file=sys.stderr, flush=True)
+                    return 1
+
+    def _drain(self) -> int:
+        """SIGTERM/SIGINT: the API stops admitting and lets in-flight requests finish (it knows
+        --drain-timeout), then exits; a second signal cuts the drain short."""
+        api, seen = self.procs[API], self.signals
+        log.info("stopping: draining in-flight requests (up to %gs)", self.drain_timeout)
+        if api.is_alive():
+            os.kill(api.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.drain_timeout + 15
+        while api.is_alive() and time.monotonic() < deadline:
+            if self.signals > seen:
+                log.warning("second signal: stopping now")
+                break
+            api.join(0.2)
+        return 0
+
+    # ---- stopping ----
+    def _stop_all(self) -> None:
+        """API first (no new requests), then the scheduler (which stops its own children);
+        then make sure no xinfer process that reported to us is left."""
+        for name in (API, SCHEDULER):
+            p = self.procs.get(name)
+            if p is None:
+                continue
+            if p.is_alive():
+                if name == API and self.signals > 1:
+                    p.kill()  # a second Ctrl-C: no more waiting for the drain
+                else:
+                    p.terminate()
+                p.join(10)
+            if p.is_alive():
+                log.warning("%s did not stop; killing it", name)
+                p.kill()
+            p.join(5)
+        deadline = time.monotonic() + 5  # grandchildren notice their parent is gone within ~1 s
+        while time.monotonic() < deadline and _ours(self.pids):
+            time.sleep(0.1)
+        for pid in _ours(self.pids):
+            log.warning("process %d did not stop; killing it", pid)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def _ours(pids) -> list[int]:
+    """The pids still alive and still xinfer processes (not a recycled pid)."""
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                title = f.read()
+        except OSError:
+            continue
+        if title.startswith(b"xinfer::") and pid_alive(pid):
+            out.append(pid)
+    return out
+
+
+def launch(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+           max_queued_requests: int = 256, drain_timeout: float = 30.0, startup_timeout: float = 600.0,
+           api_options: dict | None = None) -> int:
+    """Run the server until it stops; returns the exit code. `api_options`: the API process's own
+    settings (see xinfer.api.server.create_app)."""
+    from xinfer.cli import set_title
+    set_title("xinfer::launch")
+    return Supervisor(config, host, port, log_level, max_queued_requests, drain_timeout, startup_timeout,
+                      api_options).run()
