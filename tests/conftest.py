@@ -85,6 +85,16 @@ def start_server(*args, timeout: float = 240, env: dict | None = None, cwd: str 
     pytest.fail("server did not become healthy")
 
 
+def stop_server(proc) -> None:
+    """SIGINT (a drain), then kill if it takes more than 30 s."""
+    import signal
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def make_chat_model(tiny_llama_path: str, dest, template: str) -> str:
     """The tiny random Llama with a character-level tokenizer, a chat template, a 4096-token context
     and no EOS token: it streams garbage characters until max_tokens."""

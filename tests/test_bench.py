@@ -3,7 +3,6 @@ against a tiny fake OpenAI-compatible server (plain asyncio, in a thread) and a 
 import asyncio
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +12,8 @@ import urllib.error
 import urllib.request
 
 import pytest
+
+from tests.conftest import stop_server
 
 pytest.importorskip("aiohttp")
 pytest.importorskip("matplotlib")
@@ -460,11 +461,7 @@ def xinfer_server():
         proc.kill()
         pytest.fail("server did not become healthy")
     yield base + "/v1"
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    stop_server(proc)
 
 
 def test_serve_and_compare_against_xinfer(xinfer_server, tmp_path):

@@ -3,25 +3,20 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import time
 import urllib.error
 import urllib.request
 
 import pytest
 
-from tests.conftest import start_server
+from tests.conftest import start_server, stop_server
 
 
 @pytest.fixture(scope="module")
 def server():
     proc, base, saw_503 = start_server("--kv-cache-gb", "0.2")
     yield base, saw_503, proc.pid
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    stop_server(proc)
 
 
 def test_health_is_503_while_loading(server):

@@ -5,8 +5,6 @@ import json
 import os
 import re
 import shutil
-import signal
-import subprocess
 import tempfile
 import time
 import urllib.request
@@ -14,7 +12,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from tests.conftest import make_chat_model, start_server
+from tests.conftest import make_chat_model, start_server, stop_server
 
 os.environ.setdefault("SE_OFFLINE", "true")  # selenium-manager must never download a browser or driver
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
@@ -39,11 +37,7 @@ def ui_server(chat_model):
         proc.kill()
         pytest.fail(f"--ui-server: nothing serves the chat page on port {port + 1}: {e}")
     yield base, ui
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    stop_server(proc)
 
 
 @pytest.fixture(scope="module")

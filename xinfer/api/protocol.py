@@ -59,8 +59,9 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, str | None]:
                    "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
 
 
-def chat_text(tok, body: dict, tools: list[dict] | None, thinking_default: bool) -> str:
-    """The request's messages rendered by the model's chat template."""
+def chat_text(tok, body: dict, tools: list[dict] | None, thinking_default: bool, describe_tools: bool = True) -> str:
+    """The request's messages rendered by the model's chat template; `describe_tools`: tell a model
+    whose template ignores tools about them (not when tool_choice is "none")."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError("'messages' must be a non-empty list", param="messages")
@@ -94,7 +95,7 @@ def chat_text(tok, body: dict, tools: list[dict] | None, thinking_default: bool)
     if isinstance(thinking, dict):  # {"type": "enabled" | "disabled"}
         thinking = thinking.get("type") != "disabled"
     kwargs["enable_thinking"] = bool(thinking)
-    if tools and "tools" not in (tok.chat_template or ""):
+    if tools and describe_tools and "tools" not in (tok.chat_template or ""):
         norm = _describe_tools(norm, tools)
     return tok.apply_chat_template(norm, tools=tools, **kwargs)
 

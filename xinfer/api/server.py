@@ -378,7 +378,7 @@ def create_app(config: EngineConfig, rundir: str, max_queued_requests: int = 256
         """(prompt ids, what the parser process does with the output) for a chat request."""
         _need_tokenizer()
         tools, choice = parse_tools(body)
-        text = chat_text(tok, body, tools, not opts.disable_reasoning)
+        text = chat_text(tok, body, tools, not opts.disable_reasoning, describe_tools=choice is not None)
         spec = ParseSpec(reasoning=markers, id_prefix="call_" + uuid.uuid4().hex[:24])
         if choice is not None:
             # A model whose template has no call format of its own is asked for plain JSON.

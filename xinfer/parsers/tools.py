@@ -301,14 +301,16 @@ class JsonToolParser(ToolParser):
         calls = [_call_from(x) for x in items]
         return end, (calls if items and None not in calls else None)
 
+    args_key = "arguments"  # what a forced call names its arguments
+
     @classmethod
     def forced_prefix(cls, function_name):
         if function_name is None:
             return '{"name": '
-        return '{"name": ' + json.dumps(function_name, ensure_ascii=False) + ', "arguments": '
+        return '{"name": ' + json.dumps(function_name, ensure_ascii=False) + f', "{cls.args_key}": '
 
 
-class LlamaToolParser(ToolParser):
+class LlamaToolParser(JsonToolParser):
     """Llama 3.1/3.2 JSON tool calling: [<|python_tag|>]{"name": ..., "parameters": {...}},
     several separated by ";"."""
     name = "llama"
@@ -332,11 +334,7 @@ class LlamaToolParser(ToolParser):
         call = _call_from(value)
         return end, ([call] if call else None)
 
-    @classmethod
-    def forced_prefix(cls, function_name):
-        if function_name is None:
-            return '{"name": '
-        return '{"name": ' + json.dumps(function_name, ensure_ascii=False) + ', "parameters": '
+    args_key = "parameters"
 
 
 class QwenToolParser(ToolParser):
