@@ -160,7 +160,11 @@ def test_sigterm_drains_in_flight_requests():
         time.sleep(4)
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
-        status, err = post(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+        try:
+            status, err = post(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+        except OSError as e:  # show what the server said
+            proc.kill()
+            pytest.fail(f"no answer while draining ({e}); server output:\n{proc.stdout.read()}")
         results = [f.result(timeout=300) for f in futures]
     assert status == 503 and err["error"]["type"] == "service_unavailable"
     assert all(reason == "length" for reason, _ in results)
