@@ -162,6 +162,9 @@ def test_sigterm_drains_in_flight_requests():
         time.sleep(0.5)
         try:
             status, err = post(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+            with pytest.raises(urllib.error.HTTPError) as health:  # a load balancer sees it going
+                urllib.request.urlopen(base + "/health", timeout=60)
+            assert health.value.code == 503 and json.loads(health.value.read())["status"] == "draining"
         except OSError as e:  # show what the server said
             proc.kill()
             pytest.fail(f"no answer while draining ({e}); server output:\n{proc.stdout.read()}")

@@ -275,9 +275,9 @@ def create_app(config: EngineConfig, rundir: str, max_queued_requests: int = 256
     @app.get("/health")
     async def health(request):
         c = app.ctx.client
-        ok = c.ready is not None and not c.dead and app.ctx.launched
-        return response.json({"status": "ok" if ok else "loading" if not c.dead else "dead"},
-                             status=200 if ok else 503)
+        status = ("dead" if c.dead else "draining" if app.ctx.draining else
+                  "ok" if c.ready is not None and app.ctx.launched else "loading")
+        return response.json({"status": status}, status=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def prometheus(request):
