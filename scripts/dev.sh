@@ -37,7 +37,7 @@ case "$cmd" in
       { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; } \
         >/dev/null 2>&1 || echo "[setup] could not install chromium; the web page test will be skipped" >&2
     fi
-    exec "$VENV/bin/python" -m pytest -q "$@" ;;
+    exec "$VENV/bin/python" -m pytest -q --durations=12 "$@" ;;
   xinfer) exec "$VENV/bin/xinfer" "$@" ;;
   *) echo "usage: scripts/dev.sh serve|test|xinfer [args]" >&2; exit 2 ;;
 esac

@@ -159,12 +159,19 @@ def test_sigterm_drains_in_flight_requests():
         futures = [pool.submit(ask, i) for i in range(8)]
         time.sleep(4)
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
         try:
-            status, err = post(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
-            with pytest.raises(urllib.error.HTTPError) as health:  # a load balancer sees it going
-                urllib.request.urlopen(base + "/health", timeout=60)
-            assert health.value.code == 503 and json.loads(health.value.read())["status"] == "draining"
+            deadline = time.time() + 10
+            while time.time() < deadline:  # a load balancer sees it going
+                try:
+                    urllib.request.urlopen(base + "/health", timeout=60)
+                except urllib.error.HTTPError as e:
+                    assert e.code == 503 and json.loads(e.read())["status"] == "draining"
+                    break
+                time.sleep(0.05)
+            else:
+                pytest.fail("/health did not turn 503 within 10 s of SIGTERM")
+            status, err = post(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                              "max_tokens": 8})
         except OSError as e:  # show what the server said
             proc.kill()
             pytest.fail(f"no answer while draining ({e}); server output:\n{proc.stdout.read()}")

@@ -119,6 +119,9 @@ class Supervisor:
 
     def _on_signal(self, signum, frame) -> None:
         self.signals += 1
+        api = self.procs.get(API)
+        if self.signals == 1 and api is not None and api.pid and api.is_alive():
+            os.kill(api.pid, signal.SIGTERM)  # the drain starts now, not at the next turn of the watch loop
 
     # ---- start-up ----
     def _start(self, name: str, target, args) -> None:
