@@ -161,6 +161,11 @@ def test_echo_prompt_logprobs_match_transformers(api, smollm_hf):
     assert "".join(lp.tokens[:len(ids)]) == prompt and lp.text_offset[:2] == [0, len(lp.tokens[0])]
     # the generated token is the reference's argmax, with its logprob
     assert abs(lp.token_logprobs[-1] - ref[-1].max().item()) < 1e-3
+    # n = 2: the siblings share the prompt's KV blocks; both echo the same scored prompt
+    two = client.completions.create(model=model, prompt=prompt, max_tokens=1, logprobs=1, echo=True, n=2,
+                                    temperature=0)
+    for c in two.choices:
+        assert c.logprobs.token_logprobs[1:len(ids)] == pytest.approx(lp.token_logprobs[1:len(ids)], abs=1e-4)
     # max_tokens 0: just the scored prompt
     z = client.completions.create(model=model, prompt=prompt, max_tokens=0, logprobs=0, echo=True)
     assert z.choices[0].text == prompt and z.choices[0].logprobs.token_logprobs[1:] == pytest.approx(

@@ -489,7 +489,7 @@ def create_app(config: EngineConfig, rundir: str, max_queued_requests: int = 256
                     prefix = _echo(body, prompts, p_i)
                     text = prefix + text
                     if params.logprobs is not None:
-                        lp = completion_logprobs(strs, prompts[p_i], st.prompt_logprobs or [], 0)
+                        lp = completion_logprobs(strs, prompts[p_i], states[p_i * n].prompt_logprobs or [], 0)
                 if params.logprobs is not None:
                     start = len(text) - len("".join(st.content))
                     lp = merge_completion_logprobs(lp, completion_logprobs(strs, st.logprob_ids, st.logprobs,
@@ -547,7 +547,9 @@ def create_app(config: EngineConfig, rundir: str, max_queued_requests: int = 256
                     echoed.add(idx)
                     text = _echo(body, prompts, idx // n) + text
                     if params.logprobs is not None:
-                        lp = completion_logprobs(strs, prompts[idx // n], st.prompt_logprobs or [], 0)
+                        # the prompt is scored by its first choice (siblings share its KV blocks)
+                        lp = completion_logprobs(strs, prompts[idx // n], states[idx // n * n].prompt_logprobs or [],
+                                                 0)
                 if o.logprobs:
                     lp = merge_completion_logprobs(lp, completion_logprobs(
                         strs, unpack_ids(o.logprob_token_ids), o.logprobs, text_len[idx]))
@@ -609,7 +611,7 @@ class _Seen:
         o.tool_calls = calls
         new = max(0, o.total_tokens - self.tokens)
         if o.logprobs:
-            skip = len(o.logprobs) - new
+            skip = max(0, len(o.logprobs) - new)
             o.logprobs = o.logprobs[skip:]
             o.logprob_token_ids = o.logprob_token_ids[4 * skip:]  # int32 ids
         self.tokens = max(self.tokens, o.total_tokens)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ops.attention import attend
+from ops.linear import linear
 from ops.norm import RMSNorm
 from ops.rotary import RotaryEmbedding
 
@@ -41,7 +42,7 @@ class Linear(nn.Module):
         default_loader(param.data.narrow(0, start, size), loaded)
 
     def forward(self, x):
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 def _offsets(sizes):

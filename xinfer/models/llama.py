@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ops.linear import linear
 from ops.norm import RMSNorm
 from ops.rotary import RotaryEmbedding
 from xinfer.models.layers import Attention, Embedding, GatedMLP, Linear, load_weights
@@ -103,7 +104,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, w).float()
+        return linear(hidden, w).float()
 
     def attention_layers(self):
         return [layer.self_attn for layer in self.model.layers]

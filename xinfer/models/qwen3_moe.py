@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ops.linear import linear
 from xinfer.models.layers import GatedMLP, _param, default_loader
 from xinfer.models.qwen3 import Qwen3ForCausalLM
 from xinfer.models.registry import register
@@ -43,7 +44,7 @@ class SparseMoe(nn.Module):
         self.experts = Experts(num_experts(cfg), cfg["hidden_size"], cfg["moe_intermediate_size"])
 
     def forward(self, x):
-        probs = torch.softmax(F.linear(x, self.gate.weight).float(), dim=-1)
+        probs = torch.softmax(linear(x, self.gate.weight).float(), dim=-1)
         weights, idx = probs.topk(self.top_k, dim=-1)
         if self.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
@@ -52,8 +53,8 @@ class SparseMoe(nn.Module):
         # Loop only over the experts this batch routes to.
         for e in idx.unique().tolist():
             tok, slot = torch.where(idx == e)
-            gate, up = F.linear(x[tok], self.experts.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.experts.down_proj[e]) * weights[tok, slot, None]
+            gate, up = linear(x[tok], self.experts.gate_up_proj[e]).chunk(2, dim=-1)
+            y = linear(F.silu(gate) * up, self.experts.down_proj[e]) * weights[tok, slot, None]
             out.index_add_(0, tok, y)
         return out
 
