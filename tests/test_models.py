@@ -1,5 +1,5 @@
 """Every architecture: xinfer's logits equal transformers' on the same random tiny weights,
-for a batch of prompts of different lengths, through chunked prefill and 32 decode steps."""
+for a batch of prompts of different lengths, through chunked prefill and 32 decode steps (12 under the Triton interpreter)."""
 import pytest
 import torch
 import transformers as tf
@@ -80,10 +80,12 @@ def test_logits_match_transformers(tiny, backend):
         return orig_update(result)
     engine.scheduler.update = update
 
-    outs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    # The Triton interpreter is slow on a CPU: 12 decode steps still cross several 4-token blocks.
+    steps = 32 if backend == "torch" else 12
+    outs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True))
     worst = 0.0
     for prompt, out in zip(PROMPTS, outs):
-        assert len(out.token_ids) == 32
+        assert len(out.token_ids) == steps
         full = torch.tensor([prompt + out.token_ids])
         with torch.no_grad():
             want = ref(full).logits[0, len(prompt) - 1:-1].float()
