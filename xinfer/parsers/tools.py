@@ -52,6 +52,13 @@ def _strict() -> bool:
     return os.environ.get("XINFER_STRICT_TOOL_CALL", "").strip().lower() not in ("", "0", "false", "no")
 
 
+def _calls_from(value):
+    """A call object or a list of them -> the calls; None when any item is not a call."""
+    items = value if isinstance(value, list) else [value]
+    calls = [_call_from(x) for x in items]
+    return calls if items and None not in calls else None
+
+
 def _call_from(obj) -> tuple[str, dict] | None:
     """A {"name": ..., "arguments"|"parameters": {...}} object as (name, args), else None.
     Extra keys mean it is some other JSON, not a call."""
@@ -297,9 +304,7 @@ class JsonToolParser(ToolParser):
         if done is None:
             return None
         end, value = done
-        items = value if isinstance(value, list) else [value]
-        calls = [_call_from(x) for x in items]
-        return end, (calls if items and None not in calls else None)
+        return end, _calls_from(value)
 
     args_key = "arguments"  # what a forced call names its arguments
 
@@ -456,9 +461,7 @@ class MistralToolParser(ToolParser):
             if done is None:
                 return None
             end, value = done
-            items = value if isinstance(value, list) else [value]
-            calls = [_call_from(x) for x in items]
-            return end, (calls if items and None not in calls else None)
+            return end, _calls_from(value)
         # a name (and call id) is short and holds no whitespace: anything else is prose
         limit = i + self._NAME_MAX
         j = buf.find("[ARGS]", i, limit + len("[ARGS]"))
