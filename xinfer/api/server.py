@@ -450,6 +450,19 @@ def create_app(config: EngineConfig, rundir: str, max_queued_requests: int = 256
         return await asyncio.get_running_loop().run_in_executor(
             None, lambda: sum(len(tok.encode(t, add_special_tokens=False)) for t in texts if t))
 
+    async def _usage(prompts, n, states) -> dict:
+        return usage(sum(len(p) for p in prompts) * n, sum(st.tokens for st in states),
+                     sum(st.cached for st in states), await _reasoning_tokens(states))
+
+    def _echoed(body, prompts, params, states, idx) -> tuple[str, dict | None]:
+        """Echo: the prompt's text and, with logprobs, its scored tokens. The prompt is scored by
+        its first choice (n > 1 siblings share its KV blocks)."""
+        p_i = idx // params.n
+        lp = None
+        if params.logprobs is not None:
+            lp = completion_logprobs(strs, prompts[p_i], states[p_i * params.n].prompt_logprobs or [], 0)
+        return _echo(body, prompts, p_i), lp
+
     def _echo(body, prompts, p_i) -> str:
         p = body["prompt"]
         if isinstance(p, str):
@@ -485,22 +498,16 @@ def create_app(config: EngineConfig, rundir: str, max_queued_requests: int = 256
             else:
                 text, lp = "".join(st.content), None
                 if body.get("echo"):
-                    p_i = idx // n
-                    prefix = _echo(body, prompts, p_i)
+                    prefix, lp = _echoed(body, prompts, params, states, idx)
                     text = prefix + text
-                    if params.logprobs is not None:
-                        lp = completion_logprobs(strs, prompts[p_i], states[p_i * n].prompt_logprobs or [], 0)
                 if params.logprobs is not None:
                     start = len(text) - len("".join(st.content))
                     lp = merge_completion_logprobs(lp, completion_logprobs(strs, st.logprob_ids, st.logprobs,
                                                                            start))
                 choices.append({"index": idx, "text": text, "logprobs": lp, "finish_reason": st.finish_reason})
-        n_prompt = sum(len(p) for p in prompts) * n
-        u = usage(n_prompt, sum(st.tokens for st in states), sum(st.cached for st in states),
-                  await _reasoning_tokens(states))
         if chat:
             _log_chat(body, choices)
-        return response.json({**base, "choices": choices, "usage": u})
+        return response.json({**base, "choices": choices, "usage": await _usage(prompts, n, states)})
 
     async def _stream(request, c, rid, base, prompts, params, spec, chat, body):
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -545,11 +552,8 @@ def create_app(config: EngineConfig, rundir: str, max_queued_requests: int = 256
                 text, lp = o.text, None
                 if body.get("echo") and idx not in echoed:
                     echoed.add(idx)
-                    text = _echo(body, prompts, idx // n) + text
-                    if params.logprobs is not None:
-                        # the prompt is scored by its first choice (siblings share its KV blocks)
-                        lp = completion_logprobs(strs, prompts[idx // n], states[idx // n * n].prompt_logprobs or [],
-                                                 0)
+                    prefix, lp = _echoed(body, prompts, params, states, idx)
+                    text = prefix + text
                 if o.logprobs:
                     lp = merge_completion_logprobs(lp, completion_logprobs(
                         strs, unpack_ids(o.logprob_token_ids), o.logprobs, text_len[idx]))
@@ -557,9 +561,7 @@ def create_app(config: EngineConfig, rundir: str, max_queued_requests: int = 256
                 if text or reason or lp:
                     await send([{"index": idx, "text": text, "logprobs": lp, "finish_reason": reason}])
             if include_usage:
-                u = usage(sum(len(p) for p in prompts) * n, sum(st.tokens for st in states),
-                          sum(st.cached for st in states), await _reasoning_tokens(states))
-                await send([], {"usage": u})
+                await send([], {"usage": await _usage(prompts, n, states)})
             if chat:
                 _log_chat(body, [{"index": i, "message": {"content": "".join(st.content),
                                                           "reasoning_content": "".join(st.reasoning),
