@@ -87,7 +87,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine (EngineConfig; unset: xinfer's defaults)")
     g.add_argument("--m", "--model", dest="model", default=None, help="model (default: the bundled SmolLM2)")
     g.add_argument("--load-format", default=None, choices=["auto", "dummy"])
-    for flag, kind in (("--dtype", str), ("--device", str), ("--attention-backend", str),
+    for flag, kind in (("--dtype", str), ("--device", str), ("--attention-backend", str), ("--quantization", str),
                        ("--max-num-seqs", int), ("--max-model-len", int), ("--max-num-batched-tokens", int),
                        ("--prefill-chunk-size", int), ("--block-size", int), ("--kv-cache-gb", float),
                        ("--kv-fraction", float)):
@@ -545,7 +545,7 @@ def cmd_offline(args) -> int:
     logging.basicConfig(level=logging.WARNING)
     from xinfer import Engine, EngineConfig, SamplingParams
 
-    kw = {k: getattr(args, k) for k in ("model", "load_format", "dtype", "device", "attention_backend",
+    kw = {k: getattr(args, k) for k in ("model", "load_format", "dtype", "device", "attention_backend", "quantization",
                                         "max_num_seqs", "max_model_len", "max_num_batched_tokens",
                                         "prefill_chunk_size", "block_size", "kv_cache_gb", "kv_fraction")
           if getattr(args, k) is not None}

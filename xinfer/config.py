@@ -5,6 +5,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+QUANTIZATIONS = ("auto", "none", "gguf")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -14,6 +15,10 @@ class EngineConfig:
     load_format: str = "auto"  # "auto" or "dummy" (random weights; `model` names a config)
     dtype: str = "auto"  # float32 / bfloat16 / float16; auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"
+    # gguf: a GGUF's quantized matrices (Q4_0, Q4_1, Q8_0) also stay as blocks, which small CPU
+    # batches read through ops/cpu_kernels.c (exact weights, a fraction of the bytes); none: float
+    # weights only. auto: gguf where it can run (CPU, float32, the kernels build), else none.
+    quantization: str = "auto"
     attention_backend: str = "auto"  # torch / triton / flashinfer / auto
     max_num_seqs: int = 64
     max_model_len: int | None = None  # None: min(model's context, 4096)
@@ -43,8 +48,24 @@ class EngineConfig:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if not self.restart_window > 0:
             raise ValueError(f"--restart-window must be > 0 seconds, got {self.restart_window}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"--load-format must be 'auto' or 'dummy', got {self.load_format!r}")
+
+    def resolve_quantization(self, quantized_gguf: bool) -> None:
+        """Settle 'auto' once the checkpoint is known; an explicit gguf that cannot run is an error."""
+        if self.quantization == "none":
+            return
+        from ops import quant
+        why = ("the model is not a GGUF with quantized weights" if not quantized_gguf
+               else "the kernels run on the CPU only" if not self.device.startswith("cpu")
+               else f"the kernels compute in float32, not {self.dtype}" if self.dtype != "float32"
+               else "the CPU kernels could not be built here (they need a C compiler and AVX-512)"
+               if not quant.available() else None)
+        if why and self.quantization == "gguf":
+            raise ValueError(f"--quantization gguf: {why}")
+        self.quantization = "none" if why else "gguf"
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -57,6 +57,7 @@ class Engine:
         in a worker process over shared-memory rings, restarted by recompute if it dies."""
         self.config = config = config or EngineConfig(**kwargs)
         self.info = load_model_info(config.model, config.load_format)
+        config.resolve_quantization(self.info.kind == "gguf" and self.info.gguf.quantized)
         self.tokenizer = self.info.tokenizer
         self.detokenize = detokenize  # False when a detokenizer process does it (serving)
         ctx = self.info.config.get("max_position_embeddings") or 4096

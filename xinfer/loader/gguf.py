@@ -17,6 +17,7 @@ from gguf import GGUFReader, TokenType
 from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
+from ops.quant import BLOCK_TYPES
 from xinfer.errors import ModelLoadError
 
 log = logging.getLogger("xinfer.loader.gguf")
@@ -79,6 +80,28 @@ class GGUFModel:
         self.add_bos_token = bool(self._meta("tokenizer.ggml.add_bos_token", self._default_add_bos()))
         self.tokenizer = self._build_tokenizer()
         self.eog_token_ids = self._end_of_generation_ids()
+
+    @property
+    def quantized(self) -> bool:
+        """Some matrices are stored in a block type the CPU kernels read (ops/quant.py)."""
+        return any(t.tensor_type.name in BLOCK_TYPES for t in self._reader.tensors)
+
+    def quantized_blocks(self) -> Iterator[tuple[str, str, np.ndarray, tuple[int, int]]]:
+        """(checkpoint name, GGUF type, raw blocks [rows, bytes], (rows, cols)) of every matrix in a
+        block type the CPU kernels read, rows in the order `tensors()` gives them."""
+        for name, t in self._named_tensors():
+            if not isinstance(name, str) or t.tensor_type.name not in BLOCK_TYPES or len(t.shape) != 2:
+                continue
+            shape = (int(t.shape[1]), int(t.shape[0]))
+            blocks = np.asarray(t.data).reshape(shape[0], -1)
+            yield name, t.tensor_type.name, self._fix_rows(name, blocks), shape
+
+    def _fix_rows(self, name: str, w: np.ndarray) -> np.ndarray:
+        """llama.cpp stores llama's Q/K rows permuted (see unpermute_qk)."""
+        if self.arch == "llama" and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
+            key = "num_attention_heads" if ".q_proj." in name else "num_key_value_heads"
+            w = unpermute_qk(w, self.config[key])
+        return w
 
     # ---- metadata and config
 
@@ -183,27 +206,30 @@ class GGUFModel:
 
     # ---- tensors
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _named_tensors(self):
+        """(checkpoint name, GGUF tensor) of every tensor a model loads; expert stacks named by block."""
         block_names = _GEMMA3_BLOCK_TENSORS if self.arch == "gemma3" else _BLOCK_TENSORS
         for t in self._reader.tensors:
             m = _BLOCK_RE.fullmatch(t.name)
             if m and m[2] in _EXPERT_TENSORS:
+                yield m, t
+            elif m and m[2] in block_names:
+                yield f"model.layers.{m[1]}.{block_names[m[2]]}.{m[3]}", t
+            elif (g := _GLOBAL_RE.fullmatch(t.name)) and g[1] in _GLOBAL_TENSORS:
+                yield f"{_GLOBAL_TENSORS[g[1]]}.{g[2]}", t
+            else:
+                log.debug("%s: skipping tensor %s", self.path, t.name)
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in self._named_tensors():
+            if not isinstance(name, str):  # an expert stack: one tensor per expert
+                m = name
                 shape = (int(t.shape[1]), int(t.shape[0]))
                 for e in range(t.data.shape[0]):
                     name = f"model.layers.{m[1]}.mlp.experts.{e}.{_EXPERT_TENSORS[m[2]]}.{m[3]}"
                     yield name, torch.from_numpy(self._dequantize(t, t.data[e], shape))
                 continue
-            if m and m[2] in block_names:
-                name = f"model.layers.{m[1]}.{block_names[m[2]]}.{m[3]}"
-            elif (g := _GLOBAL_RE.fullmatch(t.name)) and g[1] in _GLOBAL_TENSORS:
-                name = f"{_GLOBAL_TENSORS[g[1]]}.{g[2]}"
-            else:
-                log.debug("%s: skipping tensor %s", self.path, t.name)
-                continue
-            w = self._dequantize(t, t.data, tuple(int(d) for d in reversed(t.shape)))
-            if self.arch == "llama" and m and m[2] in ("attn_q", "attn_k"):
-                key = "num_attention_heads" if m[2] == "attn_q" else "num_key_value_heads"
-                w = unpermute_qk(w, self.config[key])
+            w = self._fix_rows(name, self._dequantize(t, t.data, tuple(int(d) for d in reversed(t.shape))))
             if self.arch == "gemma3" and t.name.endswith("norm.weight"):
                 w -= 1.0  # the converter stores Gemma's (1 + w) RMSNorm scale as w + 1
             yield name, torch.from_numpy(w)

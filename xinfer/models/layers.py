@@ -12,6 +12,7 @@ from torch import nn
 from ops.attention import attend
 from ops.linear import linear
 from ops.norm import RMSNorm
+from ops.quant import QuantWeight
 from ops.rotary import RotaryEmbedding
 
 
@@ -36,13 +37,14 @@ class Linear(nn.Module):
         loader = self._load_shard if shards else default_loader
         self.weight = _param(sum(out_sizes), in_features, loader=loader)
         self.bias = _param(sum(out_sizes), loader=loader) if bias else None
+        self.blocks = None  # a QuantWeight beside `weight` (attach_blocks)
 
     def _load_shard(self, param, loaded, shard):
         start, size = self.shards[shard]
         default_loader(param.data.narrow(0, start, size), loaded)
 
     def forward(self, x):
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.blocks)
 
 
 def _offsets(sizes):
@@ -128,20 +130,24 @@ PACKED = {
 }
 
 
+def _target(name: str, remap=None) -> tuple[str, object]:
+    """The parameter (and shard of it) that checkpoint tensor `name` loads into."""
+    target = remap(name) if remap else None
+    if target is not None:
+        return target
+    for src, (dst, shard) in PACKED.items():
+        if f".{src}." in name:
+            return name.replace(f".{src}.", f".{dst}."), shard
+    return name, None
+
+
 def load_weights(model: nn.Module, weights, remap=None) -> set[str]:
     """Load (name, tensor) pairs through each parameter's loader; returns the names loaded.
     `remap(name) -> (param_name, shard) | None` lets a model handle its own names first."""
     params = dict(model.named_parameters())
     loaded = set()
     for name, tensor in weights:
-        target = remap(name) if remap else None
-        if target is None:
-            target = (name, None)
-            for src, (dst, shard) in PACKED.items():
-                if f".{src}." in name:
-                    target = (name.replace(f".{src}.", f".{dst}."), shard)
-                    break
-        pname, shard = target
+        pname, shard = _target(name, remap)
         if pname not in params:
             if "rotary_emb.inv_freq" in name:
                 continue
@@ -154,3 +160,31 @@ def load_weights(model: nn.Module, weights, remap=None) -> set[str]:
         loaded.add(pname)
     return loaded
 
+
+def attach_blocks(model: nn.Module, blocks, remap=None) -> int:
+    """Give each Linear whose every shard comes as GGUF blocks its QuantWeight (the shards' rows in
+    order); `blocks` yields (checkpoint name, GGUF type, raw blocks, shape). The output head's
+    blocks (the model's `head_param_name()`) go to `model.head_blocks`. Returns how many weights got
+    blocks."""
+    linears = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, Linear)}
+    parts: dict[str, dict] = {}
+    head = None
+    for name, kind, raw, shape in blocks:
+        pname, shard = _target(name, remap)
+        if pname == model.head_param_name():
+            head = QuantWeight.from_gguf(kind, raw, shape)
+        elif pname in linears:
+            parts.setdefault(pname, {})[shard] = QuantWeight.from_gguf(kind, raw, shape)
+    count = 0
+    for pname, got in parts.items():
+        lin = linears[pname]
+        if set(got) != set(lin.shards):
+            continue  # some shard is in a type the kernels do not read: float only
+        q = QuantWeight.cat([got[s] for s in sorted(lin.shards, key=lambda s: lin.shards[s][0])])
+        if q is not None and q.shape == tuple(lin.weight.shape):
+            lin.blocks = q
+            count += 1
+    if head is not None:
+        model.head_blocks = head
+        count += 1
+    return count

@@ -65,6 +65,7 @@ class LlamaForCausalLM(nn.Module):
         self._rotary = {}
         self.model = Model(self, cfg)
         self.tied = bool(cfg.get("tie_word_embeddings", False))
+        self.head_blocks = None  # the head's QuantWeight (layers.attach_blocks)
         if not self.tied:
             self.lm_head = Linear(cfg["hidden_size"], [cfg["vocab_size"]])
 
@@ -104,7 +105,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        return linear(hidden, w).float()
+        return linear(hidden, w, None, self.head_blocks).float()
+
+    def head_param_name(self) -> str:
+        return "model.embed_tokens.weight" if self.tied else "lm_head.weight"
 
     def attention_layers(self):
         return [layer.self_attn for layer in self.model.layers]

@@ -13,7 +13,9 @@ from ops.attention import AttnMetadata, get_backend, set_context
 from ops.sampling import SamplingBatch, sample
 from xinfer.config import EngineConfig
 from xinfer.ipc.step import StepPlan, StepResult, pack_ids, unpack_ids
+from ops.quant import MAX_ROWS
 from xinfer.loader import ModelInfo, build_model
+from xinfer.models.layers import attach_blocks
 from xinfer.sampling_params import SamplingParams
 
 log = logging.getLogger("xinfer.worker")
@@ -53,6 +55,9 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         cfg = dict(info.config, _max_positions=config.max_model_len)
         self.model = build_model(dataclasses.replace(info, config=cfg), self.dtype, self.device)
+        if config.quantization == "gguf":
+            n = attach_blocks(self.model, info.gguf.quantized_blocks(), self.model.remap)
+            log.info("GGUF blocks kept for %d weights (batches of up to %d rows read them)", n, MAX_ROWS)
         self.vocab_size = cfg["vocab_size"]
         self.eos_ids = info.eos_token_ids
         self.backend = get_backend(config.attention_backend, self.device)

@@ -1,0 +1,77 @@
+// Matmuls that read GGUF block-quantized weights as they are, for the CPU decode path.
+//
+// y[m, n] = sum_k x[m, k] * w[n, k] for a few rows m (a decode step is bound by reading the weights:
+// 5-8.5 bits per weight instead of 32). Each weight is rebuilt exactly as the reference dequantizes
+// it (d * q + m, d * q in float32; both products are exact), so results differ from a float32
+// GEMM on the dequantized weights only by the order of the float32 sums.
+//
+// Layouts (repacked from GGUF at load, ops/quant.py): per row n, K / 32 blocks of 32 weights.
+//   q4: 16 bytes a block, weight j in the low nibble of byte j, weight j + 16 in its high nibble;
+//       d[n, b], m[n, b] float32: w = d * q + m (Q4_0 comes as m = -8 d).
+//   q8: 32 signed bytes a block; d[n, b] float32: w = d * q.
+// Built with -O3 -march=native -fopenmp by ops/quant.py; the threads are torch's OpenMP pool.
+#include <immintrin.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define MR 4  // activation rows per pass over the weights
+
+static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+static inline void q4_rows(const uint8_t *qs, const float *d, const float *mn, const float *x, float *y,
+                           int rows, int n, int K, int ldy) {
+    const int nb = K / 32;
+    const __m128i low = _mm_set1_epi8(0x0F);
+    __m512 acc[MR];
+    for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
+    const uint8_t *q = qs + (size_t)n * nb * 16;
+    for (int b = 0; b < nb; b++) {
+        __m128i raw = _mm_loadu_si128((const __m128i *)(q + b * 16));
+        __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low)));
+        __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low)));
+        __m512 dv = _mm512_set1_ps(d[(size_t)n * nb + b]), mv = _mm512_set1_ps(mn[(size_t)n * nb + b]);
+        __m512 w0 = _mm512_fmadd_ps(lo, dv, mv), w1 = _mm512_fmadd_ps(hi, dv, mv);
+        for (int r = 0; r < rows; r++) {
+            const float *xr = x + (size_t)r * K + b * 32;
+            acc[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r]);
+            acc[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) y[(size_t)r * ldy + n] = hsum(acc[r]);
+}
+
+static inline void q8_rows(const int8_t *qs, const float *d, const float *x, float *y, int rows, int n, int K,
+                           int ldy) {
+    const int nb = K / 32;
+    __m512 acc[MR];
+    for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
+    const int8_t *q = qs + (size_t)n * K;
+    for (int b = 0; b < nb; b++) {
+        __m512 dv = _mm512_set1_ps(d[(size_t)n * nb + b]);
+        __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + b * 32)))), dv);
+        __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + b * 32 + 16)))), dv);
+        for (int r = 0; r < rows; r++) {
+            const float *xr = x + (size_t)r * K + b * 32;
+            acc[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r]);
+            acc[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) y[(size_t)r * ldy + n] = hsum(acc[r]);
+}
+
+// x [M, K] and y [M, N] row-major float32, K a multiple of 32.
+void xinfer_q4_mm(const uint8_t *qs, const float *d, const float *mn, const float *x, float *y, int M, int N, int K) {
+    for (int m0 = 0; m0 < M; m0 += MR) {
+        int rows = M - m0 < MR ? M - m0 : MR;
+#pragma omp parallel for schedule(static)
+        for (int n = 0; n < N; n++) q4_rows(qs, d, mn, x + (size_t)m0 * K, y + (size_t)m0 * N, rows, n, K, N);
+    }
+}
+
+void xinfer_q8_mm(const int8_t *qs, const float *d, const float *x, float *y, int M, int N, int K) {
+    for (int m0 = 0; m0 < M; m0 += MR) {
+        int rows = M - m0 < MR ? M - m0 : MR;
+#pragma omp parallel for schedule(static)
+        for (int n = 0; n < N; n++) q8_rows(qs, d, x + (size_t)m0 * K, y + (size_t)m0 * N, rows, n, K, N);
+    }
+}
