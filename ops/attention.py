@@ -57,24 +57,34 @@ class AttentionBackend(abc.ABC):
 
 class TorchBackend(AttentionBackend):
     """Runs anywhere. Decodes are batched into one padded SDPA call; each prefill chunk
-    runs alone with an explicit causal (and sliding-window) mask."""
+    runs alone with an explicit causal (and sliding-window) mask. On a CPU where the C kernels
+    build (ops/cpu_kernels.py), float32 decodes read the paged cache in place instead."""
 
     name = "torch"
+
+    def __init__(self):
+        from ops import cpu_kernels
+        self._c = cpu_kernels.lib()
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
         nb, bs, h, d = k_cache.shape
         k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
         v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
-    def _plan(self, meta: AttnMetadata, device):
+    def _plan(self, meta: AttnMetadata, device, dtype):
         plan = meta.cache.get("torch")
         if plan is not None:
             return plan
         bs = meta.block_size
         dec = [i for i, n in enumerate(meta.query_lens) if n == 1]
         pre = [i for i, n in enumerate(meta.query_lens) if n > 1]
-        plan = {"prefill": pre, "decode": None}
-        if dec:
+        plan = {"prefill": pre, "decode": None, "decode_c": None}
+        if dec and self._c is not None and device.type == "cpu" and dtype == torch.float32:
+            dec_t = torch.tensor(dec, device=device)
+            rows = torch.tensor([meta.query_starts[i] for i in dec], device=device)
+            plan["decode_c"] = (rows, len(dec) == len(meta.query_lens), meta.block_tables[dec_t].contiguous(),
+                                meta.seq_lens[dec_t].contiguous())
+        elif dec:
             dec_t = torch.tensor(dec, device=device)
             rows = torch.tensor([meta.query_starts[i] for i in dec], device=device)
             lens = meta.seq_lens[dec_t].long()
@@ -90,11 +100,21 @@ class TorchBackend(AttentionBackend):
 
     def forward(self, q, k_cache, v_cache, meta, scale, sliding_window=None, softcap=None):
         out = torch.empty_like(q)
-        plan = self._plan(meta, q.device)
+        plan = self._plan(meta, q.device, q.dtype)
         nb, bs, hkv, d = k_cache.shape
         kflat, vflat = k_cache.view(nb * bs, hkv, d), v_cache.view(nb * bs, hkv, d)
         starts = meta.query_starts
-        if plan["decode"] is not None:
+        if plan["decode_c"] is not None:
+            rows, every_row, tables, lens = plan["decode_c"]
+            qd = (q if every_row else q[rows]).contiguous()
+            od = torch.empty_like(qd)
+            self._c.xinfer_paged_decode(qd.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                                        tables.shape[1], lens.data_ptr(), od.data_ptr(), qd.shape[0], qd.shape[1],
+                                        hkv, d, bs, scale, sliding_window or 0, softcap or 0.0)
+            if every_row:
+                return od
+            out[rows] = od
+        elif plan["decode"] is not None:
             rows, slots, valid, qpos, pos = plan["decode"]
             mask = valid
             if sliding_window:

@@ -5,14 +5,16 @@
 // it (d * q + m, d * q in float32; both products are exact), so results differ from a float32
 // GEMM on the dequantized weights only by the order of the float32 sums.
 //
-// Layouts (repacked from GGUF at load, ops/quant.py): per row n, K / 32 blocks of 32 weights.
+// Layouts (repacked from GGUF at load by ops/quant.py): per row n, K / 32 blocks of 32 weights.
 //   q4: 16 bytes a block, weight j in the low nibble of byte j, weight j + 16 in its high nibble;
 //       d[n, b], m[n, b] float32: w = d * q + m (Q4_0 comes as m = -8 d).
 //   q8: 32 signed bytes a block; d[n, b] float32: w = d * q.
-// Built with -O3 -march=native -fopenmp by ops/quant.py; the threads are torch's OpenMP pool.
+// Built with -O3 -march=native -fopenmp by ops/cpu_kernels.py; the threads are torch's OpenMP pool.
 #include <immintrin.h>
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define MR 4  // activation rows per pass over the weights
 
@@ -73,5 +75,63 @@ void xinfer_q8_mm(const int8_t *qs, const float *d, const float *x, float *y, in
         int rows = M - m0 < MR ? M - m0 : MR;
 #pragma omp parallel for schedule(static)
         for (int n = 0; n < N; n++) q8_rows(qs, d, x + (size_t)m0 * K, y + (size_t)m0 * N, rows, n, K, N);
+    }
+}
+
+// Decode attention straight from the paged KV cache (no gather): one query row per sequence.
+// q [B, Hq, D] contiguous, caches [blocks, bs, Hkv, D], tables [B, table_stride]
+// int32, lens [B] int32 (KV length, the new token included), out [B, Hq, D]. The Hq / Hkv query
+// heads of a group share each K/V read. window > 0: only the last `window` positions; softcap > 0:
+// scores = softcap * tanh(scores / softcap).
+void xinfer_paged_decode(const float *q, const float *kc, const float *vc, const int32_t *tables, int table_stride,
+                         const int32_t *lens, float *out, int B, int Hq, int Hkv, int D, int bs, float scale,
+                         int window, float softcap) {
+    const int G = Hq / Hkv;
+#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+    for (int b = 0; b < B; b++) {
+        for (int h = 0; h < Hkv; h++) {
+            const int L = lens[b];
+            const int start = (window > 0 && L > window) ? L - window : 0;
+            const int n = L - start;
+            float *s = malloc(sizeof(float) * (size_t)G * (n > 0 ? n : 1));
+            const float *qh = q + (size_t)b * Hq * D + (size_t)h * G * D;
+            const int32_t *tab = tables + (size_t)b * table_stride;
+            float mx[G];
+            for (int g = 0; g < G; g++) mx[g] = -INFINITY;
+            for (int t = start; t < L; t++) {
+                const float *k = kc + (((size_t)tab[t / bs] * bs + t % bs) * Hkv + h) * D;
+                for (int g = 0; g < G; g++) {
+                    const float *qg = qh + (size_t)g * D;
+                    float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+                    for (int i = 0; i < D; i++) acc += qg[i] * k[i];
+                    acc *= scale;
+                    if (softcap > 0.f) acc = softcap * tanhf(acc / softcap);
+                    s[(size_t)g * n + (t - start)] = acc;
+                    if (acc > mx[g]) mx[g] = acc;
+                }
+            }
+            float *o = out + (size_t)b * Hq * D + (size_t)h * G * D;
+            for (int g = 0; g < G; g++) {
+                float *sg = s + (size_t)g * n, sum = 0.f;
+                for (int j = 0; j < n; j++) {
+                    sg[j] = expf(sg[j] - mx[g]);
+                    sum += sg[j];
+                }
+                float inv = sum > 0.f ? 1.f / sum : 0.f;
+                for (int j = 0; j < n; j++) sg[j] *= inv;
+                for (int i = 0; i < D; i++) o[(size_t)g * D + i] = 0.f;
+            }
+            for (int t = start; t < L; t++) {
+                const float *v = vc + (((size_t)tab[t / bs] * bs + t % bs) * Hkv + h) * D;
+                for (int g = 0; g < G; g++) {
+                    const float p = s[(size_t)g * n + (t - start)];
+                    float *og = o + (size_t)g * D;
+#pragma omp simd
+                    for (int i = 0; i < D; i++) og[i] += p * v[i];
+                }
+            }
+            free(s);
+        }
     }
 }

@@ -1,0 +1,82 @@
+"""Builds and loads ops/cpu_kernels.c, the C kernels of the CPU path (GGUF block matmuls, paged
+decode attention).
+
+Compiled on first use with the system C compiler (-O3 -march=native -fopenmp, OpenMP linked to the
+libgomp that torch ships so both share one thread pool) into a cache folder keyed by the source,
+the compiler and the CPU; a build is written under a temporary name and renamed, so concurrent
+processes never load half a file. Where it fails (no compiler, no AVX-512, not x86), `available()`
+is False and every caller keeps its torch path. XINFER_CPU_KERNELS=0 turns them off.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("xinfer.ops")
+
+SRC = Path(__file__).with_name("cpu_kernels.c")
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XINFER_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "xinfer")
+    return Path(base) / "kernels"
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+        flags = next((ln for ln in info.splitlines() if ln.startswith("flags")), "")
+        model = next((ln for ln in info.splitlines() if ln.startswith("model name")), "")
+        return model + flags
+    except OSError:
+        return platform.processor()
+
+
+@functools.cache
+def lib():
+    """The compiled kernels, or None (logged once) where they cannot be built here."""
+    if platform.machine() not in ("x86_64", "AMD64") or os.environ.get("XINFER_CPU_KERNELS") == "0":
+        return None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.info("no C compiler: the CPU kernels are off")
+        return None
+    torch_lib = Path(torch.__file__).parent / "lib"
+    key = hashlib.sha256(SRC.read_bytes() + cc.encode() + _cpu_id().encode() + str(torch_lib).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"cpu_kernels-{key}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # Linking the libgomp.so.1 that torch ships makes both use one OpenMP thread pool.
+        gomp = ["-L", str(torch_lib), f"-Wl,-rpath,{torch_lib}"] if (torch_lib / "libgomp.so.1").exists() else []
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            tmp_out = Path(tmp) / out.name
+            cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SRC), "-o", str(tmp_out)] + gomp
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                log.info("the CPU kernels could not be built here (%s): torch paths only",
+                         (r.stderr.strip().splitlines() or ["?"])[-1][:200])
+                return None
+            os.replace(tmp_out, out)  # atomic: concurrent workers never load a half-written file
+    so = ctypes.CDLL(str(out))
+    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    so.xinfer_q4_mm.argtypes = [p, p, p, p, p, i, i, i]
+    so.xinfer_q8_mm.argtypes = [p, p, p, p, i, i, i]
+    so.xinfer_paged_decode.argtypes = [p, p, p, p, i, p, p, i, i, i, i, i, f, i, f]
+    return so
+
+
+def available() -> bool:
+    return lib() is not None
+
+
