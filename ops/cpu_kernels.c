@@ -135,3 +135,49 @@ void xinfer_paged_decode(const float *q, const float *kc, const float *vc, const
         }
     }
 }
+
+// residual += x (when residual is given), then out = w * (r / sqrt(mean(r^2) + eps)) per row of H,
+// with w + offset for Gemma's (1 + w) scaling: RMSNorm in float32, with the residual add fused.
+void xinfer_add_rmsnorm(const float *x, float *residual, const float *w, float *out, int T, int H, float eps,
+                        float offset) {
+#pragma omp parallel for schedule(static) if (T > 4)
+    for (int t = 0; t < T; t++) {
+        const float *xr = x + (size_t)t * H;
+        float *rr = residual ? residual + (size_t)t * H : NULL;
+        float *o = out + (size_t)t * H;
+        float ss = 0.f;
+        for (int i = 0; i < H; i++) {
+            float r = rr ? rr[i] + xr[i] : xr[i];
+            if (rr) rr[i] = r;
+            ss += r * r;
+        }
+        const float inv = 1.f / sqrtf(ss / H + eps);
+        const float *src = rr ? rr : xr;
+        for (int i = 0; i < H; i++) o[i] = (w[i] + offset) * (src[i] * inv);
+    }
+}
+
+// Rotary embedding in place, HF's rotate-half layout over the first rot_dim of each head:
+// x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin. q [T, Hq, D] and k [T, Hk, D] with row strides
+// q_stride / k_stride (views into the QKV projection's output); cos/sin [positions, rot_dim / 2].
+static void rope_rows(float *x, int64_t stride, int H, int D, int rot, const float *cos, const float *sin,
+                      const int64_t *pos, int T) {
+    const int half = rot / 2;
+    for (int t = 0; t < T; t++) {
+        const float *c = cos + (size_t)pos[t] * half, *s = sin + (size_t)pos[t] * half;
+        for (int h = 0; h < H; h++) {
+            float *v = x + (size_t)t * stride + (size_t)h * D;
+            for (int i = 0; i < half; i++) {
+                const float x1 = v[i], x2 = v[i + half];
+                v[i] = x1 * c[i] - x2 * s[i];
+                v[i + half] = x2 * c[i] + x1 * s[i];
+            }
+        }
+    }
+}
+
+void xinfer_rope(float *q, float *k, const float *cos, const float *sin, const int64_t *pos, int T, int Hq, int Hk,
+                 int D, int rot, int64_t q_stride, int64_t k_stride) {
+    rope_rows(q, q_stride, Hq, D, rot, cos, sin, pos, T);
+    rope_rows(k, k_stride, Hk, D, rot, cos, sin, pos, T);
+}

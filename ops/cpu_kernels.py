@@ -1,5 +1,5 @@
 """Builds and loads ops/cpu_kernels.c, the C kernels of the CPU path (GGUF block matmuls, paged
-decode attention).
+decode attention, fused residual-add + RMSNorm, rotary in place).
 
 Compiled on first use with the system C compiler (-O3 -march=native -fopenmp, OpenMP linked to the
 libgomp that torch ships so both share one thread pool) into a cache folder keyed by the source,
@@ -61,7 +61,9 @@ def lib():
         gomp = ["-L", str(torch_lib), f"-Wl,-rpath,{torch_lib}"] if (torch_lib / "libgomp.so.1").exists() else []
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             tmp_out = Path(tmp) / out.name
-            cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SRC), "-o", str(tmp_out)] + gomp
+            # -ffp-contract=off: elementwise kernels round each step as torch does (no fused a*b+c)
+            cmd = [cc, "-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", str(SRC), "-o",
+                   str(tmp_out)] + gomp
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
                 log.info("the CPU kernels could not be built here (%s): torch paths only",
@@ -73,6 +75,8 @@ def lib():
     so.xinfer_q4_mm.argtypes = [p, p, p, p, p, i, i, i]
     so.xinfer_q8_mm.argtypes = [p, p, p, p, i, i, i]
     so.xinfer_paged_decode.argtypes = [p, p, p, p, i, p, p, i, i, i, i, i, f, i, f]
+    so.xinfer_add_rmsnorm.argtypes = [p, p, p, p, i, i, f, f]
+    so.xinfer_rope.argtypes = [p, p, p, p, p, i, i, i, i, i, ctypes.c_int64, ctypes.c_int64]
     return so
 
 

@@ -1,7 +1,15 @@
-"""RMSNorm, computed in float32 as the reference implementations do."""
+"""RMSNorm, computed in float32 as the reference implementations do; on a CPU with the C kernels
+(ops/cpu_kernels.py), float32 rows go through one fused call, with the residual add."""
 from __future__ import annotations
 
 import torch
+
+from ops.cpu_kernels import lib
+
+
+def _fused(x: torch.Tensor) -> bool:
+    return x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.is_contiguous() \
+        and lib() is not None
 
 
 class RMSNorm(torch.nn.Module):
@@ -14,9 +22,24 @@ class RMSNorm(torch.nn.Module):
         self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fused(x):
+            return self._fused(x, None)
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:
             return (xf * (self.offset + self.weight.float())).to(dtype)
         return self.weight * xf.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None):
+        """(norm(x + residual), x + residual), the sum written into `residual`; None: (norm(x), x)."""
+        if _fused(x) and (residual is None or residual.is_contiguous()):
+            return self._fused(x, residual), (x if residual is None else residual)
+        residual = x if residual is None else x + residual
+        return self(residual), residual
+
+    def _fused(self, x, residual):
+        out = torch.empty_like(x)
+        lib().xinfer_add_rmsnorm(x.data_ptr(), 0 if residual is None else residual.data_ptr(), self.weight.data_ptr(),
+                                 out.data_ptr(), x.shape[0], x.shape[1], self.eps, self.offset)
+        return out

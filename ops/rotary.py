@@ -5,6 +5,8 @@ import math
 
 import torch
 
+from ops.cpu_kernels import lib
+
 
 def inv_freq(rot_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     # float32 throughout, exactly as the reference implementation computes it
@@ -37,7 +39,14 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("sin", angles.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [T, Hq, D], k [T, Hk, D]; positions [T]."""
+        """q [T, Hq, D], k [T, Hk, D]; positions [T]. With the C kernels, float32 views into the QKV
+        projection's output (rows strided, heads packed) are rotated in place."""
+        if (q.dtype == k.dtype == torch.float32 and q.device.type == "cpu" and lib() is not None
+                and q.stride()[1:] == (q.shape[2], 1) and k.stride()[1:] == (k.shape[2], 1)
+                and positions.dtype == torch.int64 and positions.is_contiguous()):
+            lib().xinfer_rope(q.data_ptr(), k.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), positions.data_ptr(),
+                              q.shape[0], q.shape[1], k.shape[1], q.shape[2], self.rot_dim, q.stride(0), k.stride(0))
+            return q, k
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return _apply(q, cos, sin, self.rot_dim), _apply(k, cos, sin, self.rot_dim)

@@ -39,10 +39,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, eps, off)
 
     def forward(self, positions, x, residual):
-        residual = x if residual is None else x + residual
-        x = self.self_attn(positions, self.input_layernorm(residual))
-        residual = x + residual
-        return self.mlp(self.post_attention_layernorm(residual)), residual
+        h, residual = self.input_layernorm.add_forward(x, residual)
+        h, residual = self.post_attention_layernorm.add_forward(self.self_attn(positions, h), residual)
+        return self.mlp(h), residual
 
 
 class Model(nn.Module):
@@ -101,7 +100,7 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.embed(input_ids), None
         for layer in self.model.layers:
             x, residual = layer(positions, x, residual)
-        return self.model.norm(x + residual)
+        return self.model.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
