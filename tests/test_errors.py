@@ -89,3 +89,13 @@ def test_cli_names_the_problem():
     assert r.returncode == 2
     assert "error: model '/no/such/model' not found" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_quantization_flag_names_the_problem(tiny_llama_path):
+    with pytest.raises(ValueError, match="must be one of"):
+        EngineConfig(quantization="int3")
+    r = subprocess.run([sys.executable, "-m", "xinfer.cli", "generate", "--m", tiny_llama_path, "--quantization", "gguf"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "error: --quantization gguf: the model is not a GGUF with quantized weights" in r.stderr
+    assert "Traceback" not in r.stderr

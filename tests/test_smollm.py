@@ -55,6 +55,19 @@ def test_greedy_matches_transformers(engine, prompts, reference):
         assert out.finish_reason == ("stop" if len(ref) < N else "length")
 
 
+def test_gguf_blocks_by_default_and_float_weights_match_too(engine, smollm_path, prompts, reference):
+    """The default CPU mode reads the GGUF blocks (tested above); the float-only mode gives the same tokens."""
+    from ops import cpu_kernels
+    if cpu_kernels.available():
+        assert engine.config.quantization == "gguf"
+        layer = engine.runner.model.model.layers[0]
+        assert layer.self_attn.qkv_proj.blocks is not None and layer.mlp.down_proj.blocks is not None
+        assert engine.runner.model.head_blocks is not None  # the tied head reads the Q8_0 embedding
+    e = Engine(EngineConfig(model=smollm_path, kv_cache_gb=0.1, quantization="none"))
+    assert e.runner.model.head_blocks is None
+    assert [o.token_ids for o in e.generate(prompts, GREEDY)] == reference
+
+
 def _run_with_joiners(engine, prompts):
     """The three prompts in one batch with sampled requests joining while they decode."""
     ids = [engine.add_request(p, GREEDY)[0] for p in prompts]

@@ -1,0 +1,116 @@
+"""The C kernels of the CPU path (ops/cpu_kernels.c) against torch references: GGUF block matmuls
+against float32 matmuls on gguf-py's own dequantization, paged decode attention against the torch
+backend's gather + SDPA, the fused RMSNorm and rotary against their torch formulas."""
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from ops import cpu_kernels
+from ops.attention import AttnMetadata, TorchBackend
+from ops.linear import linear
+from ops.norm import RMSNorm
+from ops.quant import MAX_ROWS, QuantWeight
+from ops.rotary import RotaryEmbedding, _apply
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels do not build on this machine")
+
+TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+
+
+def _blocks(type_name, n=96, k=160, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * 0.05).numpy()
+    w[3, :32] *= 40  # an outlier block: per-block scales keep the other blocks fine
+    qtype = GGMLQuantizationType[type_name]
+    raw = quantize(w, qtype)
+    ref = torch.from_numpy(dequantize(raw, qtype).reshape(n, k).astype(np.float32))
+    return QuantWeight.from_gguf(type_name, raw.reshape(n, -1), (n, k)), ref
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_blocks_dequantize_exactly_like_gguf(type_name):
+    q, ref = _blocks(type_name)
+    assert torch.equal(q.dequantize(), ref)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_block_matmul_matches_float32(type_name):
+    q, ref = _blocks(type_name)
+    bias = torch.randn(ref.shape[0])
+    for rows in [1, 2, 3, 4, 5, MAX_ROWS, MAX_ROWS + 1, 33]:
+        x = torch.randn(rows, ref.shape[1])
+        want = x @ ref.T + bias
+        got = linear(x, ref, bias, q)  # MAX_ROWS + 1 and more: oneDNN on the float weight
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(q(x), x @ ref.T, rtol=1e-5, atol=1e-5)  # the kernel at every size
+
+
+def test_fused_blocks_keep_row_order():
+    parts = [_blocks(t, n=n, seed=i) for i, (t, n) in enumerate([("Q4_1", 64), ("Q4_0", 32), ("Q4_1", 32)])]
+    fused = QuantWeight.cat([p for p, _ in parts])
+    assert torch.equal(fused.dequantize(), torch.cat([r for _, r in parts]))
+    assert QuantWeight.cat([parts[0][0], _blocks("Q8_0", n=32)[0]]) is None  # mixed kinds stay float
+
+
+def _paged_case(seed, lens, query_lens, hq=6, hkv=2, d=64, bs=4):
+    g = torch.Generator().manual_seed(seed)
+    nb = sum(-(-n // bs) for n in lens) + 3
+    kc, vc = torch.randn(nb, bs, hkv, d, generator=g), torch.randn(nb, bs, hkv, d, generator=g)
+    perm = torch.randperm(nb, generator=g).tolist()  # blocks scattered through the cache
+    width = max(-(-n // bs) for n in lens)
+    table = torch.zeros(len(lens), width, dtype=torch.int32)
+    for i, n in enumerate(lens):
+        for j in range(-(-n // bs)):
+            table[i, j] = perm.pop()
+    starts = np.cumsum([0] + query_lens)
+    meta = AttnMetadata(cu_seqlens_q=torch.tensor(starts, dtype=torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32),
+                        block_tables=table, slot_mapping=torch.zeros(0, dtype=torch.long), query_lens=query_lens,
+                        kv_lens=lens, block_size=bs)
+    q = torch.randn(int(starts[-1]), hq, d, generator=g)
+    return q, kc, vc, meta
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 30.0)])
+def test_paged_decode_matches_gather_sdpa(window, softcap):
+    fused, plain = TorchBackend(), TorchBackend()
+    plain._c = None
+    # decodes only, and decodes mixed with a prefill chunk (which takes the SDPA path in both)
+    for lens, qlens in [([1, 7, 16, 33], [1, 1, 1, 1]), ([9, 20, 3], [1, 6, 1])]:
+        q, kc, vc, meta = _paged_case(len(lens), lens, qlens)
+        want = plain.forward(q, kc, vc, AttnMetadata(**{f: getattr(meta, f) for f in (
+            "cu_seqlens_q", "seq_lens", "block_tables", "slot_mapping", "query_lens", "kv_lens", "block_size")}),
+            0.125, window, softcap)
+        got = fused.forward(q, kc, vc, meta, 0.125, window, softcap)
+        assert meta.cache["torch"]["decode_c"] is not None
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_fused_rmsnorm_with_residual(offset):
+    norm = RMSNorm(48, 1e-6, offset)
+    norm.weight.data = torch.randn(48)
+    x, res = torch.randn(5, 48), torch.randn(5, 48)
+    xf = x + res
+    want = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * (norm.weight + offset)
+    out, new_res = norm.add_forward(x, res.clone())
+    torch.testing.assert_close(new_res, xf, rtol=0, atol=0)
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    out0, same = norm.add_forward(x, None)
+    assert same is x
+    torch.testing.assert_close(out0, norm(x.clone()), rtol=0, atol=0)
+
+
+def test_rope_in_place_matches_torch():
+    rope = RotaryEmbedding(64, 128, 10000.0)
+    qkv = torch.randn(7, (4 + 2 + 2) * 64)
+    q, k, _ = qkv.split([4 * 64, 2 * 64, 2 * 64], -1)
+    q, k = q.view(7, 4, 64), k.view(7, 2, 64)
+    pos = torch.tensor([0, 1, 2, 50, 51, 90, 127])
+    cos, sin = rope.cos[pos].unsqueeze(1), rope.sin[pos].unsqueeze(1)
+    want_q, want_k = _apply(q.clone(), cos, sin, 64), _apply(k.clone(), cos, sin, 64)
+    got_q, got_k = rope(pos, q, k)
+    assert got_q.data_ptr() == q.data_ptr()  # rotated in place
+    torch.testing.assert_close(got_q, want_q, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got_k, want_k, rtol=0, atol=1e-6)
