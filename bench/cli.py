@@ -371,7 +371,7 @@ def sweep_table(param: str, runs: list[dict]) -> str:
 COMPARE_KEYS = ("completed", "failed", "request_throughput", "output_throughput", "total_token_throughput",
                 "request_goodput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
                 "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_e2el_ms",
-                "median_e2el_ms", "p99_e2el_ms")
+                "median_e2el_ms", "p99_e2el_ms", "peak_rss_mb")
 
 
 def cmd_compare(args) -> int:
@@ -400,8 +400,19 @@ async def _compare(args, targets, models, maker) -> int:
             source = make_source(round_args, maker)
             cfg = load_config(args, url, model)
             label = f"{name} ({rep + 1}/{args.repeats}) " if args.repeats > 1 else f"{name} "
-            r = await measure(round_args, cfg, source, maker, label=label)
+            pid, peak = server_pid(url), []
+
+            async def sampler():
+                while True:
+                    rss = load.tree_rss(pid)
+                    if rss is not None:
+                        peak.append(rss)
+                    await asyncio.sleep(1.0)
+
+            r = await measure(round_args, cfg, source, maker, label=label, sampler=sampler if pid else None)
             r["mode"], r["target"], r["repeat"] = "serve", name, rep
+            # the whole process tree's resident memory, at its highest under this load
+            r["peak_rss_mb"] = max(peak) / 2**20 if peak else None
             runs[name].append(r)
     summaries = {n: {k: _mean([r.get(k) for r in rs]) for k in COMPARE_KEYS} for n, rs in runs.items()}
     first = targets[0][0]
@@ -454,6 +465,26 @@ def cmd_soak(args) -> int:
     return asyncio.run(_soak(args, maker))
 
 
+def server_pid(base_url: str) -> int | None:
+    """The root of the process tree serving a loopback URL, or None: the process listening on its
+    port, then its ancestors in the same process group (xinfer's API listens, but the scheduler and
+    worker are its siblings under the xinfer-launch supervisor)."""
+    import psutil
+    from urllib.parse import urlsplit
+    u = urlsplit(base_url)
+    port = u.port or (443 if u.scheme == "https" else 80)
+    pid = load.listening_pid(port) if load.is_loopback(base_url) else None
+    try:
+        while pid is not None:
+            parent = psutil.Process(pid).ppid()
+            if parent <= 1 or os.getpgid(parent) != os.getpgid(pid):
+                break
+            pid = parent
+    except (psutil.Error, OSError):
+        pass
+    return pid
+
+
 def rss_growth(samples: list[tuple[float, int]]) -> tuple[float | None, float | None]:
     """(growth in MiB, slope in MiB/min) of the server's memory after its first fifth (warming up):
     the median of the last quarter of samples against the median of the first quarter."""
@@ -475,12 +506,7 @@ async def _soak(args, maker) -> int:
     model = await resolve_model(args.base_url, args.model)
     source = make_source(args, maker)
     cfg = load_config(args, args.base_url, model)
-    pid = args.server_pid
-    if pid is None:
-        from urllib.parse import urlsplit
-        u = urlsplit(args.base_url)
-        port = u.port or (443 if u.scheme == "https" else 80)
-        pid = load.listening_pid(port) if load.is_loopback(args.base_url) else None
+    pid = args.server_pid or server_pid(args.base_url)
     if pid is None:
         print("xinfer-bench: server process not found (pass --server-pid): memory is not watched", file=sys.stderr)
     samples: list[tuple[float, int]] = []
