@@ -116,6 +116,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     add_load_args(c, url=False)
     c.set_defaults(func=cmd_compare)
 
+    v = subs["curve"] = sub.add_parser("curve", help="plot output tok/s against concurrency from compare results")
+    v.add_argument("results", nargs="+", help="compare JSON files (one per concurrency)")
+    v.add_argument("--point", action="append", default=[], metavar="NAME=CONCURRENCY:TOK_S",
+                   help="a reference figure to mark, e.g. 'llama.cpp (issue)=1:78'")
+    v.add_argument("--output", required=True, help="the PNG to write")
+    v.add_argument("--title", default="")
+    v.set_defaults(func=cmd_curve)
+
     k = subs["soak"] = sub.add_parser("soak", help="constant load for a long time; watches drift and memory")
     add_load_args(k)
     k.add_argument("--sample-interval", type=float, default=5.0, help="seconds between memory samples")
@@ -463,6 +471,28 @@ def cmd_soak(args) -> int:
         raise SystemExit("xinfer-bench: soak needs --duration > 0")
     maker = load.load_text_maker(args.tokenizer if args.dataset == "random" or args.tokenizer != "auto" else "words")
     return asyncio.run(_soak(args, maker))
+
+
+def cmd_curve(args) -> int:
+    from bench import plots
+    series: dict[str, list[tuple[int, float]]] = {}
+    for f in args.results:
+        r = json.loads(Path(f).read_text())
+        if r.get("mode") != "compare":
+            raise SystemExit(f"xinfer-bench: {f} is not a compare result")
+        for t in r["targets"]:
+            conc = t["runs"][0].get("max_concurrency") if t["runs"] else None
+            if conc and t["summary"]["output_throughput"] is not None:
+                series.setdefault(t["name"], []).append((conc, t["summary"]["output_throughput"]))
+    points = {}
+    for p in args.point:
+        name, sep, rest = p.rpartition("=")
+        conc, sep2, val = rest.partition(":")
+        if not sep or not sep2:
+            raise SystemExit(f"xinfer-bench: --point takes NAME=CONCURRENCY:TOK_S, got {p!r}")
+        points[name] = (int(conc), float(val))
+    print("wrote " + plots.concurrency_curve(series, points, args.output, args.title))
+    return 0
 
 
 def server_pid(base_url: str) -> int | None:

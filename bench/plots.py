@@ -149,3 +149,25 @@ def soak(r: dict, path: str, title: str = "") -> str:
         ax2.set_ylabel("server RSS (MiB)", color="tab:red")
     ax.set_title(title or "Soak", fontsize=10)
     return _save(fig, path)
+
+
+def concurrency_curve(series: dict[str, list[tuple[int, float]]], points: dict[str, tuple[int, float]], path: str,
+                      title: str = "") -> str:
+    """Output tok/s against concurrency, one line per target; `points` are single reference figures
+    (e.g. a peer measured elsewhere), drawn as markers."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, xy in series.items():
+        xy = sorted(xy)
+        ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", label=name)
+        for x, y in xy:
+            ax.annotate(f"{y:.0f}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+    for name, (x, y) in points.items():
+        ax.plot([x], [y], marker="*", markersize=12, linestyle="none", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("output tok/s")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(title, fontsize=9)
+    return _save(fig, path)
