@@ -410,7 +410,7 @@ async def _compare(args, targets, models, maker) -> int:
             label = f"{name} ({rep + 1}/{args.repeats}) " if args.repeats > 1 else f"{name} "
             pid, peak = server_pid(url), []
 
-            async def sampler():
+            async def sampler(pid=pid, peak=peak):
                 while True:
                     rss = load.tree_rss(pid)
                     if rss is not None:

@@ -8,7 +8,7 @@ weights are reused across many rows. The kernel rebuilds each weight exactly as 
 dequantizes it, so the two paths agree to float32 rounding.
 
 Where the kernels cannot be built (ops/cpu_kernels.py), `available()` is False and the float32
-path runs alone.
+path runs alone. XINFER_QUANT_MAX_ROWS moves the crossover (measured in bench/NOTES-cpu.md).
 """
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ import os
 import numpy as np
 import torch
 
-from ops.cpu_kernels import available, lib
+from ops.cpu_kernels import available, lib  # noqa: F401  (available: the one check callers make)
 
 MAX_ROWS = int(os.environ.get("XINFER_QUANT_MAX_ROWS", "8"))
-# GGUF type name -> (bytes per 32-weight block, layout)
+# GGUF type name -> bytes per 32-weight block
 BLOCK_TYPES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
 
