@@ -497,20 +497,18 @@ def cmd_curve(args) -> int:
 
 def server_pid(base_url: str) -> int | None:
     """The root of the process tree serving a loopback URL, or None: the process listening on its
-    port, then its ancestors in the same process group (xinfer's API listens, but the scheduler and
-    worker are its siblings under the xinfer-launch supervisor)."""
+    port, or its parent when that is xinfer's supervisor (xinfer's API listens, but the scheduler
+    and the worker are its siblings under xinfer::launch)."""
     import psutil
     from urllib.parse import urlsplit
     u = urlsplit(base_url)
     port = u.port or (443 if u.scheme == "https" else 80)
     pid = load.listening_pid(port) if load.is_loopback(base_url) else None
     try:
-        while pid is not None:
-            parent = psutil.Process(pid).ppid()
-            if parent <= 1 or os.getpgid(parent) != os.getpgid(pid):
-                break
-            pid = parent
-    except (psutil.Error, OSError):
+        parent = psutil.Process(pid).parent() if pid else None
+        if parent is not None and parent.cmdline()[:1] == ["xinfer::launch"]:
+            return parent.pid
+    except psutil.Error:
         pass
     return pid
 

@@ -41,7 +41,9 @@ def torch_backend_slots(meta, b):
     bs, kl = meta.block_size, meta.kv_lens[b]
     table = meta.block_tables[b, :-(-kl // bs)].long()
     slots = (table[:, None] * bs + torch.arange(bs)).reshape(-1)[:kl]
-    plan = A.TorchBackend()._plan(meta, torch.device("cpu"))
+    backend = A.TorchBackend()
+    backend._c = None  # the gather plan, which the C decode kernel skips
+    plan = backend._plan(meta, torch.device("cpu"), torch.float32)
     if meta.query_lens[b] == 1:
         rows, dec_slots, valid, _, _ = plan["decode"]
         i = rows.tolist().index(meta.query_starts[b])

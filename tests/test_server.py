@@ -116,23 +116,34 @@ def _title(pid):
 def test_worker_killed_mid_stream_loses_no_request(server):
     """kill -9 of the model worker during 16 streaming requests: all complete, same greedy text."""
     import concurrent.futures as cf
+    import threading
     from openai import OpenAI
     base = server[0]
     client = OpenAI(base_url=base + "/v1", api_key="none")
     model = client.models.list().data[0].id
     msgs = [[{"role": "user", "content": f"Count from {i} to {i + 20}."}] for i in range(16)]
+    streaming = threading.Event()  # some answer is under way: the kill lands mid-stream
 
     def ask(m):
-        s = client.chat.completions.create(model=model, messages=m, max_tokens=40, temperature=0, stream=True)
-        return "".join(c.choices[0].delta.content or "" for c in s if c.choices)
+        s = client.chat.completions.create(model=model, messages=m, max_tokens=64, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        parts = []
+        for c in s:
+            if c.choices:
+                parts.append(c.choices[0].delta.content or "")
+                if len(parts) == 8:
+                    streaming.set()
+        return "".join(parts)
 
     with cf.ThreadPoolExecutor(16) as pool:
         want = list(pool.map(ask, msgs))
+        streaming.clear()
         futures = [pool.submit(ask, m) for m in msgs]
-        time.sleep(3)
+        assert streaming.wait(120)
         workers = [p for p in _descendants(server[2]) if _title(p) == "xinfer::worker-0"]
         assert len(workers) == 1
         os.kill(workers[0], signal.SIGKILL)
+        assert not all(f.done() for f in futures)
         got = [f.result(timeout=300) for f in futures]
     assert got == want
     new = [p for p in _descendants(server[2]) if _title(p) == "xinfer::worker-0"]
@@ -178,7 +189,8 @@ def test_sigterm_drains_in_flight_requests():
         results = [f.result(timeout=300) for f in futures]
     assert status == 503 and err["error"]["type"] == "service_unavailable"
     assert all(reason == "length" for reason, _ in results)
-    assert proc.wait(60) == 0
+    rc = proc.wait(60)
+    assert rc == 0, f"exit {rc}; server output:\n{proc.stdout.read()}"
     deadline = time.time() + 20
     while time.time() < deadline and _alive_xinfer(children):
         time.sleep(0.2)
