@@ -65,7 +65,9 @@ def sample(logits: torch.Tensor, b: SamplingBatch):
     """logits [B, V] float32 -> (token ids [B], logprobs or None).
     logprobs are from the model's raw distribution: (chosen [B], top ids [B, k], top values [B, k])."""
     raw = logits
-    logits = apply_penalties(logits.clone(), b)
+    if (b.bias is not None or b.banned is not None or b.repetition_penalty is not None
+            or b.presence_penalty is not None or b.frequency_penalty is not None):
+        logits = apply_penalties(logits.clone(), b)  # in place on a copy: logprobs read `raw`
     greedy_tokens = logits.argmax(dim=-1)
     if b.all_greedy:
         tokens = greedy_tokens

@@ -109,6 +109,7 @@ class EngineCore:
         self.pipeline_restarts = 0
         self.budget = None  # the engine's RestartBudget, shared with worker restarts
         self.orphaned = False
+        self.last_stats = None  # the last Stats sent to the API
 
     # ---- the detokenizer -> parser pipeline ----
     def start_pipeline(self) -> None:
@@ -170,13 +171,9 @@ class EngineCore:
 
     # ---- the loop ----
     def serve(self, engine) -> None:
-        last_stats = None
         while True:
             self._check_pipeline()
-            stats = _stats(engine)
-            if stats != last_stats:  # sent when something changed, so an idle engine sends nothing
-                self.push.send(self.tx.encode(stats))
-                last_stats = stats
+            self._send_stats(engine)
             # Block while idle (an idle server burns no core); only drain the queue while busy.
             timeout = 0 if engine.has_unfinished() else 500
             while self.pull.poll(timeout):
@@ -210,7 +207,16 @@ class EngineCore:
                     self._done(s, d.finish_reason)
                 out.append(TokenDelta(d.seq_id, pack_ids(d.token_ids), d.finish_reason, s["cached"], d.logprobs,
                                       d.prompt_logprobs, d.queue_time))
+            # The counters first: they go straight to the API, the tokens through two more
+            # processes, so /metrics already counts a request when its response ends.
+            self._send_stats(engine)
             self._send_tokens(out)
+
+    def _send_stats(self, engine) -> None:
+        stats = _stats(engine)
+        if stats != self.last_stats:  # sent when something changed, so an idle engine sends nothing
+            self.push.send(self.tx.encode(stats))
+            self.last_stats = stats
 
     def _handle(self, engine, msg) -> None:
         if isinstance(msg, GenerateRequest):

@@ -27,6 +27,7 @@ import ctypes
 import os
 import platform
 import struct
+import sys
 import time
 from multiprocessing import shared_memory
 
@@ -37,7 +38,7 @@ _HDR = struct.Struct("<IIIIII Q")
 _SLOT = struct.Struct("<QII")
 
 
-_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine()) if os.name == "posix" else None
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine()) if sys.platform.startswith("linux") else None
 _libc = ctypes.CDLL(None, use_errno=True) if _SYS_FUTEX else None
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared (not PRIVATE): the word lives in memory mapped by several processes
 
