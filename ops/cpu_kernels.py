@@ -52,6 +52,24 @@ def lib():
     if cc is None:
         log.info("no C compiler: the CPU kernels are off")
         return None
+    try:
+        so = _build(cc)
+    except OSError as e:  # an unwritable cache folder, a mount that refuses to map code, ...
+        log.info("the CPU kernels could not be built or loaded (%s): torch paths only", e)
+        return None
+    if so is None:
+        return None
+    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    so.xinfer_q4_mm.argtypes = [p, p, p, p, p, i, i, i]
+    so.xinfer_q8_mm.argtypes = [p, p, p, p, i, i, i]
+    so.xinfer_paged_decode.argtypes = [p, p, p, p, i, p, p, i, i, i, i, i, f, i, f]
+    so.xinfer_add_rmsnorm.argtypes = [p, p, p, p, i, i, f, f]
+    so.xinfer_rope.argtypes = [p, p, p, p, p, i, i, i, i, i, ctypes.c_int64, ctypes.c_int64]
+    return so
+
+
+def _build(cc: str):
+    """Compile (once per source, compiler and CPU) and load the kernels; None if gcc refuses."""
     torch_lib = Path(torch.__file__).parent / "lib"
     key = hashlib.sha256(SRC.read_bytes() + cc.encode() + _cpu_id().encode() + str(torch_lib).encode()).hexdigest()[:16]
     out = _cache_dir() / f"cpu_kernels-{key}.so"
@@ -70,14 +88,7 @@ def lib():
                          (r.stderr.strip().splitlines() or ["?"])[-1][:200])
                 return None
             os.replace(tmp_out, out)  # atomic: concurrent workers never load a half-written file
-    so = ctypes.CDLL(str(out))
-    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    so.xinfer_q4_mm.argtypes = [p, p, p, p, p, i, i, i]
-    so.xinfer_q8_mm.argtypes = [p, p, p, p, i, i, i]
-    so.xinfer_paged_decode.argtypes = [p, p, p, p, i, p, p, i, i, i, i, i, f, i, f]
-    so.xinfer_add_rmsnorm.argtypes = [p, p, p, p, i, i, f, f]
-    so.xinfer_rope.argtypes = [p, p, p, p, p, i, i, i, i, i, ctypes.c_int64, ctypes.c_int64]
-    return so
+    return ctypes.CDLL(str(out))
 
 
 def available() -> bool:

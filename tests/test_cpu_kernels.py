@@ -114,3 +114,21 @@ def test_rope_in_place_matches_torch():
     assert got_q.data_ptr() == q.data_ptr()  # rotated in place
     torch.testing.assert_close(got_q, want_q, rtol=0, atol=1e-6)
     torch.testing.assert_close(got_k, want_k, rtol=0, atol=1e-6)
+
+
+def test_engine_without_kernels_gives_the_same_tokens(tiny_llama_path, monkeypatch):
+    """The torch paths that run where the kernels don't build (XINFER_CPU_KERNELS=0) agree."""
+    import ops.norm
+    import ops.rotary
+    from xinfer import Engine, EngineConfig, SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[3, 5, 7, 9, 11, 13, 17, 19, 23], [11, 13], list(range(40, 70))]
+
+    def run():
+        return [o.token_ids for o in Engine(EngineConfig(model=tiny_llama_path, kv_cache_gb=0.01),
+                                            log_level="warning").generate(prompts, params)]
+
+    with_kernels = run()
+    for mod in (ops.norm, ops.rotary, cpu_kernels):
+        monkeypatch.setattr(mod, "lib", lambda: None)
+    assert run() == with_kernels
