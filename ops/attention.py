@@ -79,14 +79,13 @@ class TorchBackend(AttentionBackend):
         dec = [i for i, n in enumerate(meta.query_lens) if n == 1]
         pre = [i for i, n in enumerate(meta.query_lens) if n > 1]
         plan = {"prefill": pre, "decode": None, "decode_c": None}
-        if dec and self._c is not None and device.type == "cpu" and dtype == torch.float32:
+        if dec:
             dec_t = torch.tensor(dec, device=device)
             rows = torch.tensor([meta.query_starts[i] for i in dec], device=device)
+        if dec and self._c is not None and device.type == "cpu" and dtype == torch.float32:
             plan["decode_c"] = (rows, len(dec) == len(meta.query_lens), meta.block_tables[dec_t].contiguous(),
                                 meta.seq_lens[dec_t].contiguous())
         elif dec:
-            dec_t = torch.tensor(dec, device=device)
-            rows = torch.tensor([meta.query_starts[i] for i in dec], device=device)
             lens = meta.seq_lens[dec_t].long()
             max_len = max(meta.kv_lens[i] for i in dec)
             nblk = -(-max_len // bs)

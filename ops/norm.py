@@ -7,7 +7,7 @@ import torch
 from ops.cpu_kernels import lib
 
 
-def _fused(x: torch.Tensor) -> bool:
+def _can_fuse(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.is_contiguous() \
         and lib() is not None
 
@@ -22,7 +22,7 @@ class RMSNorm(torch.nn.Module):
         self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _fused(x):
+        if _can_fuse(x):
             return self._fused(x, None)
         dtype = x.dtype
         xf = x.float()
@@ -33,7 +33,7 @@ class RMSNorm(torch.nn.Module):
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None):
         """(norm(x + residual), x + residual), the sum written into `residual`; None: (norm(x), x)."""
-        if _fused(x) and (residual is None or residual.is_contiguous()):
+        if _can_fuse(x) and (residual is None or residual.is_contiguous()):
             return self._fused(x, residual), (x if residual is None else residual)
         residual = x if residual is None else x + residual
         return self(residual), residual

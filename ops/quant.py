@@ -7,7 +7,7 @@ memory: Q4_1 is 6 bits a weight here (nibbles plus float32 d and m per 32) again
 weights are reused across many rows. The kernel rebuilds each weight exactly as the GGUF reference
 dequantizes it, so the two paths agree to float32 rounding.
 
-Where the kernels cannot be built (ops/cpu_kernels.py), `available()` is False and the float32
+Where the kernels cannot be built (`ops.cpu_kernels.available()` is False), the float32
 path runs alone. XINFER_QUANT_MAX_ROWS moves the crossover (measured in bench/NOTES-cpu.md).
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import os
 import numpy as np
 import torch
 
-from ops.cpu_kernels import available, lib  # noqa: F401  (available: the one check callers make)
+from ops.cpu_kernels import lib
 
 MAX_ROWS = int(os.environ.get("XINFER_QUANT_MAX_ROWS", "8"))
 # GGUF type name -> bytes per 32-weight block

@@ -57,12 +57,12 @@ class EngineConfig:
         """Settle 'auto' once the checkpoint is known; an explicit gguf that cannot run is an error."""
         if self.quantization == "none":
             return
-        from ops import quant
+        from ops import cpu_kernels
         why = ("the model is not a GGUF with quantized weights" if not quantized_gguf
                else "the kernels run on the CPU only" if not self.device.startswith("cpu")
                else f"the kernels compute in float32, not {self.dtype}" if self.dtype != "float32"
                else "the CPU kernels could not be built here (they need a C compiler and AVX-512)"
-               if not quant.available() else None)
+               if not cpu_kernels.available() else None)
         if why and self.quantization == "gguf":
             raise ValueError(f"--quantization gguf: {why}")
         self.quantization = "none" if why else "gguf"

@@ -177,13 +177,11 @@ class Supervisor:
             if self.signals:
                 return self._drain()
             self._receive(0.5)
-            if self.signals:  # a signal during the wait: the API may already have drained and exited
-                return self._drain()
             for name in (SCHEDULER, API):  # the scheduler first: its death also stops the API
                 p = self.procs[name]
                 if not p.is_alive():
                     self._receive(0.5)
-                    if self.signals and name == API:
+                    if self.signals and name == API:  # a signal came meanwhile: it drained and exited
                         return self._drain()
                     why = "; ".join(f"{f.name}: {f.message}" for f in self.failures) or \
                         f"exited unexpectedly (exit code {p.exitcode})"

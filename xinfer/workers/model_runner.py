@@ -10,10 +10,10 @@ import numpy as np
 import torch
 
 from ops.attention import AttnMetadata, get_backend, set_context
+from ops.quant import MAX_ROWS
 from ops.sampling import SamplingBatch, sample
 from xinfer.config import EngineConfig
 from xinfer.ipc.step import StepPlan, StepResult, pack_ids, unpack_ids
-from ops.quant import MAX_ROWS
 from xinfer.loader import ModelInfo, build_model
 from xinfer.models.layers import attach_blocks
 from xinfer.sampling_params import SamplingParams
