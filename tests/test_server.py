@@ -1,4 +1,5 @@
 """`xinfer serve` end to end: the supervisor, the API process, the scheduler process, the openai client."""
+import asyncio
 import json
 import os
 import signal
@@ -229,6 +230,44 @@ def test_disconnect_frees_blocks_within_a_second(server, stream):
         time.sleep(0.05)
     assert _metric(base, "xinfer:num_requests_running") == 0
     assert _metric(base, "xinfer:kv_cache_usage_perc") == 0
+
+
+def test_a_client_gone_as_its_tokens_arrive_still_aborts():
+    """The handler is cancelled in the same loop turn as a delta lands in its queue: the abort must
+    still go out (asyncio.wait_for on Python 3.11 returns the item and swallows such a cancel)."""
+    from xinfer.api.metrics import Metrics
+    from xinfer.api.server import EngineClient
+    from xinfer.ipc.api import Abort, ToEngine
+    from xinfer.ipc.channels import Codec
+    from xinfer.ipc.text import TextDelta
+    from xinfer.sampling_params import SamplingParams
+
+    class Push:
+        sent = []
+
+        async def send(self, data):
+            self.sent.append(c.tx.decode(data))
+
+    c = EngineClient.__new__(EngineClient)
+    c.metrics, c.queues, c.dead, c.push, c.tx = Metrics("m"), {}, False, Push(), Codec(ToEngine)
+
+    async def consume():
+        async for _ in c.generate("r", [1, 2, 3], SamplingParams(max_tokens=100), keepalive=15.0):
+            pass
+
+    async def main():
+        task = asyncio.get_running_loop().create_task(consume())
+        for _ in range(3):
+            await asyncio.sleep(0)  # the request is sent and the handler waits on its queue
+        c.queues["r"].put_nowait(TextDelta("r", 0, 0, "a", 1, None, 0))
+        task.cancel()
+        await asyncio.wait({task}, timeout=2)
+        done = task.done()
+        task.cancel()  # a swallowed cancel left it waiting for more tokens
+        return done
+
+    assert asyncio.run(main()), "the cancelled handler kept waiting for tokens"
+    assert type(Push.sent[-1]) is Abort
 
 
 def _cpu_seconds(pids):

@@ -98,14 +98,17 @@ class EngineClient:
         finished = set()
         first, last = True, start
         stop_after_call = parse is not None and parse.single_call
+        getter = None
         try:
             await self.push.send(self.tx.encode(GenerateRequest(request_id, pack_ids(prompt_ids), params, parse)))
             while remaining:
-                try:
-                    item = await asyncio.wait_for(q.get(), keepalive)
-                except asyncio.TimeoutError:
+                # Not asyncio.wait_for: on Python 3.11 it swallows a cancel that lands as an item
+                # arrives, and a client that went away would never abort its request.
+                getter = getter or asyncio.ensure_future(q.get())
+                if not (await asyncio.wait({getter}, timeout=keepalive))[0]:
                     yield None
                     continue
+                item, getter = getter.result(), None
                 if isinstance(item, Exception):
                     raise item
                 if item.index in finished:
@@ -129,6 +132,8 @@ class EngineClient:
                 yield item
             m.e2e.labels(m.model).observe(time.monotonic() - start)
         finally:
+            if getter is not None:
+                getter.cancel()
             self.queues.pop(request_id, None)
             if remaining:  # the client went away (or an error): free the request's KV blocks now
                 m.finished.labels(m.model, "abort").inc(remaining)
