@@ -205,6 +205,10 @@ def set_context(meta: AttnMetadata | None, backend: AttentionBackend | None = No
         _CTX["backend"] = backend
 
 
+def context() -> tuple[AttnMetadata | None, AttentionBackend | None]:
+    return _CTX["meta"], _CTX["backend"]
+
+
 def attend(q, k, v, k_cache, v_cache, scale, sliding_window=None, softcap=None):
     """q [T, Hq, D], k/v [T, Hkv, D]: store the new K/V, then attend over the paged cache."""
     meta, backend = _CTX["meta"], _CTX["backend"]

@@ -11,6 +11,8 @@
 //   q8: 32 signed bytes a block; d[n, b] float32: w = d * q.
 // Built with -O3 -march=native -fopenmp by ops/cpu_kernels.py; the threads are torch's OpenMP pool.
 #include <immintrin.h>
+#include <omp.h>
+#include <string.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -61,100 +63,150 @@ static inline void q8_rows(const int8_t *qs, const float *d, const float *x, flo
     for (int r = 0; r < rows; r++) y[(size_t)r * ldy + n] = hsum(acc[r]);
 }
 
+// A quantized linear as the decode step reads it (ops/cpu_decode.py fills these).
+typedef struct {
+    const void *qs;
+    const float *d, *m, *bias;  // m: q4 only; bias may be NULL
+    int kind, N, K;             // kind 0: q4, 1: q8
+} xq_linear;
+
+// y [M, N] = x [M, K] w^T (+ bias), run by every thread of the enclosing parallel region.
+static void mm_team(const xq_linear *w, const float *x, float *y, int M) {
+    for (int m0 = 0; m0 < M; m0 += MR) {
+        const int rows = M - m0 < MR ? M - m0 : MR;
+        const float *xm = x + (size_t)m0 * w->K;
+        float *ym = y + (size_t)m0 * w->N;
+#pragma omp for schedule(static)
+        for (int n = 0; n < w->N; n++) {
+            if (w->kind == 0)
+                q4_rows(w->qs, w->d, w->m, xm, ym, rows, n, w->K, w->N);
+            else
+                q8_rows(w->qs, w->d, xm, ym, rows, n, w->K, w->N);
+            if (w->bias)
+                for (int r = 0; r < rows; r++) ym[(size_t)r * w->N + n] += w->bias[n];
+        }
+    }
+}
+
 // x [M, K] and y [M, N] row-major float32, K a multiple of 32.
 void xinfer_q4_mm(const uint8_t *qs, const float *d, const float *mn, const float *x, float *y, int M, int N, int K) {
-    for (int m0 = 0; m0 < M; m0 += MR) {
-        int rows = M - m0 < MR ? M - m0 : MR;
-#pragma omp parallel for schedule(static)
-        for (int n = 0; n < N; n++) q4_rows(qs, d, mn, x + (size_t)m0 * K, y + (size_t)m0 * N, rows, n, K, N);
-    }
+    const xq_linear w = {qs, d, mn, NULL, 0, N, K};
+#pragma omp parallel
+    mm_team(&w, x, y, M);
 }
 
 void xinfer_q8_mm(const int8_t *qs, const float *d, const float *x, float *y, int M, int N, int K) {
-    for (int m0 = 0; m0 < M; m0 += MR) {
-        int rows = M - m0 < MR ? M - m0 : MR;
-#pragma omp parallel for schedule(static)
-        for (int n = 0; n < N; n++) q8_rows(qs, d, x + (size_t)m0 * K, y + (size_t)m0 * N, rows, n, K, N);
-    }
+    const xq_linear w = {qs, d, NULL, NULL, 1, N, K};
+#pragma omp parallel
+    mm_team(&w, x, y, M);
 }
 
 // Decode attention straight from the paged KV cache (no gather): one query row per sequence.
-// q [B, Hq, D] contiguous, caches [blocks, bs, Hkv, D], tables [B, table_stride]
-// int32, lens [B] int32 (KV length, the new token included), out [B, Hq, D]. The Hq / Hkv query
-// heads of a group share each K/V read. window > 0: only the last `window` positions; softcap > 0:
-// scores = softcap * tanh(scores / softcap).
+// Query heads g0..g1-1 of KV head h (of G = Hq / Hkv in its group) for one sequence: they share
+// each K/V read. q: the sequence's query row (heads packed, D apart); tab: its block table; L: its KV
+// length, the new token included; s: scratch of (g1 - g0) * L floats. window > 0: only the last
+// `window` positions; softcap > 0: scores = softcap * tanh(scores / softcap).
+static void attend_group(const float *q, const float *kc, const float *vc, const int32_t *tab, int L, int h,
+                         int g0, int g1, int G, int Hkv, int D, int bs, float scale, int window, float softcap,
+                         float *s, float *out) {
+    const int start = (window > 0 && L > window) ? L - window : 0;
+    const int n = L - start, ng = g1 - g0;
+    const float *qh = q + (size_t)(h * G + g0) * D;
+    float *o = out + (size_t)(h * G + g0) * D;
+    float mx[ng];
+    for (int g = 0; g < ng; g++) mx[g] = -INFINITY;
+    for (int t = start; t < L; t++) {
+        const float *k = kc + (((size_t)tab[t / bs] * bs + t % bs) * Hkv + h) * D;
+        for (int g = 0; g < ng; g++) {
+            const float *qg = qh + (size_t)g * D;
+            float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+            for (int i = 0; i < D; i++) acc += qg[i] * k[i];
+            acc *= scale;
+            if (softcap > 0.f) acc = softcap * tanhf(acc / softcap);
+            s[(size_t)g * n + (t - start)] = acc;
+            if (acc > mx[g]) mx[g] = acc;
+        }
+    }
+    for (int g = 0; g < ng; g++) {
+        float *sg = s + (size_t)g * n, sum = 0.f;
+        for (int j = 0; j < n; j++) {
+            sg[j] = expf(sg[j] - mx[g]);
+            sum += sg[j];
+        }
+        float inv = sum > 0.f ? 1.f / sum : 0.f;
+        for (int j = 0; j < n; j++) sg[j] *= inv;
+        for (int i = 0; i < D; i++) o[(size_t)g * D + i] = 0.f;
+    }
+    for (int t = start; t < L; t++) {
+        const float *v = vc + (((size_t)tab[t / bs] * bs + t % bs) * Hkv + h) * D;
+        for (int g = 0; g < ng; g++) {
+            const float p = s[(size_t)g * n + (t - start)];
+            float *og = o + (size_t)g * D;
+#pragma omp simd
+            for (int i = 0; i < D; i++) og[i] += p * v[i];
+        }
+    }
+}
+
+// Every sequence's attention, shared out over the threads of the enclosing parallel region: by
+// (sequence, KV head) when there are enough of those to go round, else by query head. q rows
+// q_stride apart, out [B, Hq, D]; s: this thread's scratch of G * max(lens) floats.
+static void attend_team(const float *q, int64_t q_stride, const float *kc, const float *vc, const int32_t *tables,
+                        int table_stride, const int32_t *lens, float *out, int B, int Hq, int Hkv, int D, int bs,
+                        float scale, int window, float softcap, float *s) {
+    const int G = Hq / Hkv, per = B * Hkv >= 2 * omp_get_num_threads() ? G : 1;
+    const int items = B * Hkv * (G / per);
+#pragma omp for schedule(dynamic, 1)
+    for (int it = 0; it < items; it++) {
+        const int b = it / (Hkv * (G / per)), rest = it % (Hkv * (G / per));
+        const int h = rest / (G / per), g0 = rest % (G / per) * per;
+        attend_group(q + (size_t)b * q_stride, kc, vc, tables + (size_t)b * table_stride, lens[b], h, g0, g0 + per, G,
+                     Hkv, D, bs, scale, window, softcap, s, out + (size_t)b * Hq * D);
+    }
+}
+
+static int max_len(const int32_t *lens, int B) {
+    int m = 1;
+    for (int b = 0; b < B; b++) m = lens[b] > m ? lens[b] : m;
+    return m;
+}
+
+// q [B, Hq, D] contiguous, caches [blocks, bs, Hkv, D], tables [B, table_stride] int32, lens [B]
+// int32, out [B, Hq, D].
 void xinfer_paged_decode(const float *q, const float *kc, const float *vc, const int32_t *tables, int table_stride,
                          const int32_t *lens, float *out, int B, int Hq, int Hkv, int D, int bs, float scale,
                          int window, float softcap) {
-    const int G = Hq / Hkv;
-#pragma omp parallel for collapse(2) schedule(dynamic, 1)
-    for (int b = 0; b < B; b++) {
-        for (int h = 0; h < Hkv; h++) {
-            const int L = lens[b];
-            const int start = (window > 0 && L > window) ? L - window : 0;
-            const int n = L - start;
-            float *s = malloc(sizeof(float) * (size_t)G * (n > 0 ? n : 1));
-            const float *qh = q + (size_t)b * Hq * D + (size_t)h * G * D;
-            const int32_t *tab = tables + (size_t)b * table_stride;
-            float mx[G];
-            for (int g = 0; g < G; g++) mx[g] = -INFINITY;
-            for (int t = start; t < L; t++) {
-                const float *k = kc + (((size_t)tab[t / bs] * bs + t % bs) * Hkv + h) * D;
-                for (int g = 0; g < G; g++) {
-                    const float *qg = qh + (size_t)g * D;
-                    float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-                    for (int i = 0; i < D; i++) acc += qg[i] * k[i];
-                    acc *= scale;
-                    if (softcap > 0.f) acc = softcap * tanhf(acc / softcap);
-                    s[(size_t)g * n + (t - start)] = acc;
-                    if (acc > mx[g]) mx[g] = acc;
-                }
-            }
-            float *o = out + (size_t)b * Hq * D + (size_t)h * G * D;
-            for (int g = 0; g < G; g++) {
-                float *sg = s + (size_t)g * n, sum = 0.f;
-                for (int j = 0; j < n; j++) {
-                    sg[j] = expf(sg[j] - mx[g]);
-                    sum += sg[j];
-                }
-                float inv = sum > 0.f ? 1.f / sum : 0.f;
-                for (int j = 0; j < n; j++) sg[j] *= inv;
-                for (int i = 0; i < D; i++) o[(size_t)g * D + i] = 0.f;
-            }
-            for (int t = start; t < L; t++) {
-                const float *v = vc + (((size_t)tab[t / bs] * bs + t % bs) * Hkv + h) * D;
-                for (int g = 0; g < G; g++) {
-                    const float p = s[(size_t)g * n + (t - start)];
-                    float *og = o + (size_t)g * D;
-#pragma omp simd
-                    for (int i = 0; i < D; i++) og[i] += p * v[i];
-                }
-            }
-            free(s);
-        }
+    const size_t scratch = (size_t)(Hq / Hkv) * max_len(lens, B);
+#pragma omp parallel
+    {
+        float *s = malloc(sizeof(float) * scratch);
+        attend_team(q, (int64_t)Hq * D, kc, vc, tables, table_stride, lens, out, B, Hq, Hkv, D, bs, scale, window,
+                    softcap, s);
+        free(s);
     }
 }
 
 // residual += x (when residual is given), then out = w * (r / sqrt(mean(r^2) + eps)) per row of H,
 // with w + offset for Gemma's (1 + w) scaling: RMSNorm in float32, with the residual add fused.
+static void add_rmsnorm_row(const float *xr, float *rr, const float *w, float *o, int H, float eps, float offset) {
+    float ss = 0.f;
+    for (int i = 0; i < H; i++) {
+        float r = rr ? rr[i] + xr[i] : xr[i];
+        if (rr) rr[i] = r;
+        ss += r * r;
+    }
+    const float inv = 1.f / sqrtf(ss / H + eps);
+    const float *src = rr ? rr : xr;
+    for (int i = 0; i < H; i++) o[i] = (w[i] + offset) * (src[i] * inv);
+}
+
 void xinfer_add_rmsnorm(const float *x, float *residual, const float *w, float *out, int T, int H, float eps,
                         float offset) {
 #pragma omp parallel for schedule(static) if (T > 4)
-    for (int t = 0; t < T; t++) {
-        const float *xr = x + (size_t)t * H;
-        float *rr = residual ? residual + (size_t)t * H : NULL;
-        float *o = out + (size_t)t * H;
-        float ss = 0.f;
-        for (int i = 0; i < H; i++) {
-            float r = rr ? rr[i] + xr[i] : xr[i];
-            if (rr) rr[i] = r;
-            ss += r * r;
-        }
-        const float inv = 1.f / sqrtf(ss / H + eps);
-        const float *src = rr ? rr : xr;
-        for (int i = 0; i < H; i++) o[i] = (w[i] + offset) * (src[i] * inv);
-    }
+    for (int t = 0; t < T; t++)
+        add_rmsnorm_row(x + (size_t)t * H, residual ? residual + (size_t)t * H : NULL, w, out + (size_t)t * H, H, eps,
+                        offset);
 }
 
 // Rotary embedding in place, HF's rotate-half layout over the first rot_dim of each head:
@@ -180,4 +232,89 @@ void xinfer_rope(float *q, float *k, const float *cos, const float *sin, const i
                  int D, int rot, int64_t q_stride, int64_t k_stride) {
     rope_rows(q, q_stride, Hq, D, rot, cos, sin, pos, T);
     rope_rows(k, k_stride, Hk, D, rot, cos, sin, pos, T);
+}
+
+// ---- One decode step of a Llama-shaped decoder, every layer in one call ----
+// A step of B sequences with one new token each spends most of its time outside the matmuls when
+// each op is a torch call (~300 a step); here the whole stack runs in one OpenMP region, with a
+// barrier between dependent ops. The math is the torch path's, op for op: the same kernels above,
+// RMSNorm with the residual add, rotary, the K/V store, silu(gate) * up.
+typedef struct {
+    const float *ln_in, *ln_post, *q_norm, *k_norm;  // q_norm / k_norm: NULL where the model has none
+    xq_linear qkv, o, gate_up, down;
+    float *k_cache, *v_cache;  // [blocks, bs, Hkv, D]
+    const float *cos, *sin;    // [positions, rot / 2]
+    int rot, window;
+    float scale, softcap;
+} xq_layer;
+
+typedef struct {
+    int n_layers, H, Hq, Hkv, D, inter, bs;
+    float eps, offset;  // every RMSNorm's
+    const float *final_norm;
+    const xq_layer *layers;
+} xq_model;
+
+static void head_norm(float *x, const float *w, int H, int D, float eps, float offset) {
+    for (int h = 0; h < H; h++) add_rmsnorm_row(x + (size_t)h * D, NULL, w, x + (size_t)h * D, D, eps, offset);
+}
+
+// x [B, H]: the embedded tokens; out [B, H]: the final norm's output (the head's input). pos,
+// slots [B] int64: each token's position and KV slot; tables [B, table_stride], lens [B] int32 as in
+// xinfer_paged_decode.
+void xinfer_decode(const xq_model *m, const float *x, float *out, int B, const int64_t *pos, const int64_t *slots,
+                   const int32_t *tables, int table_stride, const int32_t *lens) {
+    const int H = m->H, D = m->D, Hq = m->Hq, Hkv = m->Hkv, I = m->inter, QKV = (Hq + 2 * Hkv) * D;
+    float *res = malloc(sizeof(float) * (size_t)B * H), *h = malloc(sizeof(float) * (size_t)B * H);
+    float *y = malloc(sizeof(float) * (size_t)B * H), *qkv = malloc(sizeof(float) * (size_t)B * QKV);
+    float *att = malloc(sizeof(float) * (size_t)B * Hq * D), *gu = malloc(sizeof(float) * (size_t)B * 2 * I);
+    float *act = malloc(sizeof(float) * (size_t)B * I);
+    const size_t scratch = (size_t)(Hq / Hkv) * max_len(lens, B);
+    memcpy(y, x, sizeof(float) * (size_t)B * H);
+#pragma omp parallel
+    {
+        float *s = malloc(sizeof(float) * scratch);
+        for (int l = 0; l < m->n_layers; l++) {
+            const xq_layer *L = &m->layers[l];
+#pragma omp single
+            for (int b = 0; b < B; b++)  // the first layer's residual is its input
+                add_rmsnorm_row(y + (size_t)b * H, l ? res + (size_t)b * H : NULL, L->ln_in, h + (size_t)b * H, H,
+                                m->eps, m->offset);
+#pragma omp single
+            if (l == 0) memcpy(res, y, sizeof(float) * (size_t)B * H);
+            mm_team(&L->qkv, h, qkv, B);
+#pragma omp single
+            for (int b = 0; b < B; b++) {
+                float *qb = qkv + (size_t)b * QKV, *kb = qb + (size_t)Hq * D, *vb = kb + (size_t)Hkv * D;
+                if (L->q_norm) {
+                    head_norm(qb, L->q_norm, Hq, D, m->eps, m->offset);
+                    head_norm(kb, L->k_norm, Hkv, D, m->eps, m->offset);
+                }
+                rope_rows(qb, QKV, Hq, D, L->rot, L->cos, L->sin, pos + b, 1);
+                rope_rows(kb, QKV, Hkv, D, L->rot, L->cos, L->sin, pos + b, 1);
+                memcpy(L->k_cache + (size_t)slots[b] * Hkv * D, kb, sizeof(float) * (size_t)Hkv * D);
+                memcpy(L->v_cache + (size_t)slots[b] * Hkv * D, vb, sizeof(float) * (size_t)Hkv * D);
+            }
+            attend_team(qkv, QKV, L->k_cache, L->v_cache, tables, table_stride, lens, att, B, Hq, Hkv, D, m->bs,
+                        L->scale, L->window, L->softcap, s);
+            mm_team(&L->o, att, y, B);
+#pragma omp single
+            for (int b = 0; b < B; b++)
+                add_rmsnorm_row(y + (size_t)b * H, res + (size_t)b * H, L->ln_post, h + (size_t)b * H, H, m->eps,
+                                m->offset);
+            mm_team(&L->gate_up, h, gu, B);
+#pragma omp for schedule(static)
+            for (int j = 0; j < B * I; j++) {
+                const float g = gu[(size_t)(j / I) * 2 * I + j % I], u = gu[(size_t)(j / I) * 2 * I + I + j % I];
+                act[j] = g / (1.f + expf(-g)) * u;
+            }
+            mm_team(&L->down, act, y, B);
+        }
+#pragma omp single
+        for (int b = 0; b < B; b++)
+            add_rmsnorm_row(y + (size_t)b * H, res + (size_t)b * H, m->final_norm, out + (size_t)b * H, H, m->eps,
+                            m->offset);
+        free(s);
+    }
+    free(res), free(h), free(y), free(qkv), free(att), free(gu), free(act);
 }

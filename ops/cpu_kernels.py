@@ -1,5 +1,5 @@
 """Builds and loads ops/cpu_kernels.c, the C kernels of the CPU path (GGUF block matmuls, paged
-decode attention, fused residual-add + RMSNorm, rotary in place).
+decode attention, fused residual-add + RMSNorm, rotary in place, and a whole decode step).
 
 Compiled on first use with the system C compiler (-O3 -march=native -fopenmp, OpenMP linked to the
 libgomp that torch ships so both share one thread pool) into a cache folder keyed by the source,
@@ -65,6 +65,7 @@ def lib():
     so.xinfer_paged_decode.argtypes = [p, p, p, p, i, p, p, i, i, i, i, i, f, i, f]
     so.xinfer_add_rmsnorm.argtypes = [p, p, p, p, i, i, f, f]
     so.xinfer_rope.argtypes = [p, p, p, p, p, i, i, i, i, i, ctypes.c_int64, ctypes.c_int64]
+    so.xinfer_decode.argtypes = [p, p, p, i, p, p, p, i, p]
     return so
 
 

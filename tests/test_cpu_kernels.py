@@ -133,3 +133,46 @@ def test_engine_without_kernels_gives_the_same_tokens(tiny_llama_path, monkeypat
     for mod in (ops.norm, ops.rotary, cpu_kernels):
         monkeypatch.setattr(mod, "lib", lambda: None)
     assert run() == with_kernels
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama_tied_llama3_rope", "qwen2", "qwen3", "mistral", "gemma3"])
+def test_one_call_decode_step_matches_the_op_by_op_path(arch, tmp_path):
+    """The C decode step (ops/cpu_decode.py) against the per-op path on the same GGUF blocks, for each
+    family's quirks: QKV bias (qwen2), q/k norms (qwen3), a sliding window (mistral), llama3 rope.
+    The per-op path is the one tests/test_models.py checks against transformers; gemma3's layers
+    don't fit the C step and keep it."""
+    from tests.test_models import ARCHS, PROMPTS
+    from xinfer import Engine, EngineConfig, SamplingParams
+    from xinfer.models.layers import Linear
+
+    torch.manual_seed(0)
+    ref = ARCHS[arch]()
+    with torch.no_grad():
+        for p in ref.parameters():  # biases and norms start at 0 and 1: make each of them matter
+            p.add_(torch.randn_like(p) * 0.05)
+    ref.save_pretrained(tmp_path)
+
+    def run(fused):
+        engine = Engine(EngineConfig(model=str(tmp_path), block_size=4, num_kv_blocks=200, prefill_chunk_size=8,
+                                     max_num_batched_tokens=24, max_num_seqs=8), log_level="warning")
+        model = engine.runner.model
+        for i, lin in enumerate(m for m in model.modules() if isinstance(m, Linear)):
+            kind = ("Q8_0", "Q4_1", "Q4_0")[i % 3]
+            w = lin.weight.detach().numpy()
+            lin.blocks = QuantWeight.from_gguf(kind, quantize(w, GGMLQuantizationType[kind]).reshape(w.shape[0], -1),
+                                               w.shape)
+            lin.weight.data.copy_(lin.blocks.dequantize())  # prefill reads the same weights
+        if not fused:
+            model._cpu_decoder = False
+        rows, orig = [], model.compute_logits
+        model.compute_logits = lambda h: rows.append(orig(h)) or rows[-1]
+        outs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        return [o.token_ids for o in outs], rows, model._cpu_decoder
+
+    tokens, rows, decoder = run(fused=True)
+    want_tokens, want_rows, _ = run(fused=False)
+    assert (decoder is False) == (arch == "gemma3")
+    assert tokens == want_tokens
+    assert len(rows) == len(want_rows)
+    worst = max((a - b).abs().max().item() for a, b in zip(rows, want_rows))
+    assert worst < 1e-4, f"{arch}: max |logit diff| {worst:.2e}"

@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from ops import cpu_decode
+from ops.attention import context
 from ops.linear import linear
 from ops.norm import RMSNorm
+from ops.quant import MAX_ROWS
 from ops.rotary import RotaryEmbedding
 from xinfer.models.layers import Attention, Embedding, GatedMLP, Linear, load_weights
 from xinfer.models.registry import register
@@ -65,6 +69,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = Model(self, cfg)
         self.tied = bool(cfg.get("tie_word_embeddings", False))
         self.head_blocks = None  # the head's QuantWeight (layers.attach_blocks)
+        self._cpu_decoder = None  # built at the first decode step that can use it; False: none fits
         if not self.tied:
             self.lm_head = Linear(cfg["hidden_size"], [cfg["vocab_size"]])
 
@@ -97,10 +102,52 @@ class LlamaForCausalLM(nn.Module):
 
     # ---- the forward pass ----
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        meta, backend = context()
+        if (meta is not None and meta.max_seqlen_q == 1 and input_ids.shape[0] <= MAX_ROWS
+                and backend.name == "torch" and input_ids.device.type == "cpu"):
+            dec = self.cpu_decoder()
+            if dec is not None:
+                return dec(self.embed(input_ids), positions, meta)
         x, residual = self.embed(input_ids), None
         for layer in self.model.layers:
             x, residual = layer(positions, x, residual)
         return self.model.norm.add_forward(x, residual)[0]
+
+    def cpu_decoder(self) -> "cpu_decode.CpuDecoder | None":
+        """The one-call C decode step (ops/cpu_decode.py) where every layer fits it: this class's
+        layer with SwiGLU, GGUF blocks on every linear and a float32 KV cache; else None."""
+        layers = self.model.layers
+        dec = self._cpu_decoder
+        if dec and all(k is ly.self_attn.k_cache for (k, _), ly in zip(dec.caches, layers)):
+            return dec
+        if dec is False or not cpu_decode.ENABLED or not cpu_decode.lib():
+            return None
+        parts = [self._decode_layer(ly) for ly in layers]
+        norms = [n for ly in layers for n in (ly.input_layernorm, ly.post_attention_layernorm, ly.self_attn.q_norm,
+                                              ly.self_attn.k_norm) if n is not None] + [self.model.norm]
+        a = layers[0].self_attn
+        if any(p is None for p in parts) or len({(n.eps, n.offset) for n in norms}) != 1:
+            self._cpu_decoder = False
+            return None
+        self._cpu_decoder = cpu_decode.CpuDecoder(parts, self.model.norm.weight, a.num_heads, a.num_kv_heads,
+                                                  a.head_dim, norms[0].eps, norms[0].offset)
+        return self._cpu_decoder
+
+    @staticmethod
+    def _decode_layer(layer) -> dict | None:
+        a, mlp = layer.self_attn, layer.mlp
+        if type(layer) is not DecoderLayer or type(a) is not Attention or type(mlp) is not GatedMLP \
+                or mlp.act is not F.silu or a.k_cache is None or a.k_cache.dtype != torch.float32:
+            return None
+        lins = {"qkv": a.qkv_proj, "o": a.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
+        if any(lin.blocks is None for lin in lins.values()):
+            return None
+        return dict({k: (lin.blocks, lin.bias) for k, lin in lins.items()},
+                    ln_in=layer.input_layernorm.weight, ln_post=layer.post_attention_layernorm.weight,
+                    q_norm=a.q_norm.weight if a.q_norm is not None else None,
+                    k_norm=a.k_norm.weight if a.k_norm is not None else None, k_cache=a.k_cache, v_cache=a.v_cache,
+                    cos=a.rotary.cos, sin=a.rotary.sin, rot=a.rotary.rot_dim, window=a.sliding_window or 0,
+                    scale=a.scale, softcap=a.softcap or 0.0)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.model.embed_tokens.weight if self.tied else self.lm_head.weight

@@ -1,0 +1,74 @@
+"""A whole decode step of a Llama-shaped decoder in one C call (`xinfer_decode`, ops/cpu_kernels.c).
+
+At one to a few sequences a step does little arithmetic, and driving ~300 torch ops for it cost
+about as much as the matmuls (bench/NOTES-cpu.md). The C step runs the same kernels in one OpenMP
+region. The model decides which of its layers fit (xinfer/models/llama.py) and hands over plain
+tensors; this module only lays them out for C. XINFER_CPU_DECODE=0 keeps the op-by-op path.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from ops.cpu_kernels import lib
+from ops.quant import QuantWeight
+
+ENABLED = os.environ.get("XINFER_CPU_DECODE", "1") != "0"
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("qs", _P), ("d", _P), ("m", _P), ("bias", _P), ("kind", _I), ("N", _I), ("K", _I)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("ln_in", _P), ("ln_post", _P), ("q_norm", _P), ("k_norm", _P), ("qkv", _Linear), ("o", _Linear),
+                ("gate_up", _Linear), ("down", _Linear), ("k_cache", _P), ("v_cache", _P), ("cos", _P), ("sin", _P),
+                ("rot", _I), ("window", _I), ("scale", _F), ("softcap", _F)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("n_layers", _I), ("H", _I), ("Hq", _I), ("Hkv", _I), ("D", _I), ("inter", _I), ("bs", _I),
+                ("eps", _F), ("offset", _F), ("final_norm", _P), ("layers", ctypes.POINTER(_Layer))]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _linear(w: QuantWeight, bias: torch.Tensor | None) -> _Linear:
+    n, k = w.shape
+    return _Linear(_ptr(w.qs), _ptr(w.d), _ptr(w.m), _ptr(bias), 0 if w.kind == "q4" else 1, n, k)
+
+
+class CpuDecoder:
+    """`layers`: one dict a layer with ln_in, ln_post, q_norm, k_norm (or None) weights; qkv, o, gate_up,
+    down as (QuantWeight, bias or None); k_cache, v_cache; cos, sin, rot; window (0: none), scale,
+    softcap (0: none). Every tensor is float32, contiguous and on the CPU, and is kept alive here."""
+
+    def __init__(self, layers: list[dict], final_norm: torch.Tensor, num_heads: int, num_kv_heads: int,
+                 head_dim: int, eps: float, offset: float):
+        self._keep = [final_norm] + layers  # C holds raw pointers into these
+        arr = (_Layer * len(layers))()
+        for i, ly in enumerate(layers):
+            arr[i] = _Layer(_ptr(ly["ln_in"]), _ptr(ly["ln_post"]), _ptr(ly["q_norm"]), _ptr(ly["k_norm"]),
+                            _linear(*ly["qkv"]), _linear(*ly["o"]), _linear(*ly["gate_up"]), _linear(*ly["down"]),
+                            _ptr(ly["k_cache"]), _ptr(ly["v_cache"]), _ptr(ly["cos"]), _ptr(ly["sin"]), ly["rot"],
+                            ly["window"], ly["scale"], ly["softcap"])
+        self._layers = arr
+        self.caches = [(ly["k_cache"], ly["v_cache"]) for ly in layers]
+        self.hidden = final_norm.shape[0]
+        self._model = _Model(len(layers), self.hidden, num_heads, num_kv_heads, head_dim,
+                             layers[0]["gate_up"][0].shape[0] // 2, layers[0]["k_cache"].shape[1], eps, offset,
+                             _ptr(final_norm), arr)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        """x [B, H] embedded tokens, one a sequence; returns the final norm's output [B, H]."""
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        tables, lens = meta.block_tables, meta.seq_lens
+        lib().xinfer_decode(ctypes.byref(self._model), x.data_ptr(), out.data_ptr(), x.shape[0], positions.data_ptr(),
+                            meta.slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr())
+        return out
