@@ -19,7 +19,7 @@ import torch
 
 from ops.cpu_kernels import lib
 
-MAX_ROWS = int(os.environ.get("XINFER_QUANT_MAX_ROWS", "8"))
+MAX_ROWS = int(os.environ.get("XINFER_QUANT_MAX_ROWS", "16"))
 # GGUF type name -> bytes per 32-weight block
 BLOCK_TYPES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
