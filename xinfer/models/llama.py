@@ -123,12 +123,13 @@ class LlamaForCausalLM(nn.Module):
         if dec is False or not cpu_decode.ENABLED or not cpu_decode.lib():
             return None
         parts = [self._decode_layer(ly) for ly in layers]
-        norms = [n for ly in layers for n in (ly.input_layernorm, ly.post_attention_layernorm, ly.self_attn.q_norm,
-                                              ly.self_attn.k_norm) if n is not None] + [self.model.norm]
-        a = layers[0].self_attn
-        if any(p is None for p in parts) or len({(n.eps, n.offset) for n in norms}) != 1:
+        norms = [] if None in parts else [
+            n for ly in layers for n in (ly.input_layernorm, ly.post_attention_layernorm, ly.self_attn.q_norm,
+                                         ly.self_attn.k_norm) if n is not None] + [self.model.norm]
+        if len({(n.eps, n.offset) for n in norms}) != 1:  # a layer doesn't fit, or the norms differ
             self._cpu_decoder = False
             return None
+        a = layers[0].self_attn
         self._cpu_decoder = cpu_decode.CpuDecoder(parts, self.model.norm.weight, a.num_heads, a.num_kv_heads,
                                                   a.head_dim, norms[0].eps, norms[0].offset)
         return self._cpu_decoder
