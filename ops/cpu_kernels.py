@@ -3,9 +3,11 @@ decode attention, fused residual-add + RMSNorm, rotary in place, and a whole dec
 
 Compiled on first use with the system C compiler (-O3 -march=native -fopenmp, OpenMP linked to the
 libgomp that torch ships so both share one thread pool) into a cache folder keyed by the source,
-the compiler and the CPU; a build is written under a temporary name and renamed, so concurrent
-processes never load half a file. Where it fails (no compiler, no AVX-512, not x86), `available()`
-is False and every caller keeps its torch path. XINFER_CPU_KERNELS=0 turns them off.
+the compiler, the CPU and the target; a build is written under a temporary name and renamed, so
+concurrent processes never load half a file. The matmuls come in AVX-512 and AVX2 + FMA versions.
+Where the build fails (no compiler, neither of those, not x86), `available()` is False and every
+caller keeps its torch path. XINFER_CPU_KERNELS=0 turns them off; XINFER_CPU_MARCH sets -march
+(e.g. `haswell` builds the AVX2 version on an AVX-512 machine, as the tests do).
 """
 from __future__ import annotations
 
@@ -72,7 +74,9 @@ def lib():
 def _build(cc: str):
     """Compile (once per source, compiler and CPU) and load the kernels; None if gcc refuses."""
     torch_lib = Path(torch.__file__).parent / "lib"
-    key = hashlib.sha256(SRC.read_bytes() + cc.encode() + _cpu_id().encode() + str(torch_lib).encode()).hexdigest()[:16]
+    march = os.environ.get("XINFER_CPU_MARCH", "native")
+    key = hashlib.sha256(SRC.read_bytes() + cc.encode() + _cpu_id().encode() + str(torch_lib).encode()
+                         + march.encode()).hexdigest()[:16]
     out = _cache_dir() / f"cpu_kernels-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -81,7 +85,7 @@ def _build(cc: str):
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             tmp_out = Path(tmp) / out.name
             # -ffp-contract=off: elementwise kernels round each step as torch does (no fused a*b+c)
-            cmd = [cc, "-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", str(SRC), "-o",
+            cmd = [cc, "-O3", f"-march={march}", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", str(SRC), "-o",
                    str(tmp_out)] + gomp
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:

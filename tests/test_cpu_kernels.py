@@ -1,6 +1,11 @@
 """The C kernels of the CPU path (ops/cpu_kernels.c) against torch references: GGUF block matmuls
 against float32 matmuls on gguf-py's own dequantization, paged decode attention against the torch
-backend's gather + SDPA, the fused RMSNorm and rotary against their torch formulas."""
+backend's gather + SDPA, the fused RMSNorm and rotary against their torch formulas, the one-call
+decode step against the op-by-op path. The AVX2 build runs the same tests in a subprocess."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -176,3 +181,20 @@ def test_one_call_decode_step_matches_the_op_by_op_path(arch, tmp_path):
     assert len(rows) == len(want_rows)
     worst = max((a - b).abs().max().item() for a, b in zip(rows, want_rows))
     assert worst < 1e-4, f"{arch}: max |logit diff| {worst:.2e}"
+
+
+def test_the_build_is_the_one_asked_for():
+    want = 256 if os.environ.get("XINFER_CPU_MARCH") == "haswell" else None
+    width = cpu_kernels.lib().xinfer_simd_width()
+    assert width in (256, 512) and (want is None or width == want)
+
+
+@pytest.mark.skipif(os.environ.get("XINFER_CPU_MARCH") is not None, reason="already the AVX2 run")
+def test_the_avx2_build_passes_the_same_tests(tmp_path):
+    """AVX2 machines (no AVX-512) get their own matmul kernels: built here for Haswell, which this
+    CPU also runs, with every test above."""
+    env = dict(os.environ, XINFER_CPU_MARCH="haswell", XINFER_CACHE_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not avx2_build",
+                        __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-1000:]
