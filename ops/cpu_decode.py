@@ -66,7 +66,7 @@ class CpuDecoder:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """x [B, H] embedded tokens, one a sequence; returns the final norm's output [B, H]."""
-        x = x.contiguous()
+        x, positions = x.contiguous(), positions.to(torch.int64).contiguous()  # C reads int64 positions
         out = torch.empty_like(x)
         tables, lens = meta.block_tables, meta.seq_lens
         lib().xinfer_decode(ctypes.byref(self._model), x.data_ptr(), out.data_ptr(), x.shape[0], positions.data_ptr(),
