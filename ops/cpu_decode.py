@@ -57,10 +57,9 @@ class CpuDecoder:
                             _linear(*ly["qkv"]), _linear(*ly["o"]), _linear(*ly["gate_up"]), _linear(*ly["down"]),
                             _ptr(ly["k_cache"]), _ptr(ly["v_cache"]), _ptr(ly["cos"]), _ptr(ly["sin"]), ly["rot"],
                             ly["window"], ly["scale"], ly["softcap"])
-        self._layers = arr
+        self._layers = arr  # _Model points at it
         self.caches = [(ly["k_cache"], ly["v_cache"]) for ly in layers]
-        self.hidden = final_norm.shape[0]
-        self._model = _Model(len(layers), self.hidden, num_heads, num_kv_heads, head_dim,
+        self._model = _Model(len(layers), final_norm.shape[0], num_heads, num_kv_heads, head_dim,
                              layers[0]["gate_up"][0].shape[0] // 2, layers[0]["k_cache"].shape[1], eps, offset,
                              _ptr(final_norm), arr)
 

@@ -19,7 +19,7 @@ from ops.norm import RMSNorm
 from ops.quant import MAX_ROWS, QuantWeight
 from ops.rotary import RotaryEmbedding, _apply
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels are off here (no C compiler, no AVX-512, or XINFER_CPU_KERNELS=0); "
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels are off here (no C compiler, neither AVX-512 nor AVX2, or XINFER_CPU_KERNELS=0); "
                                 "the torch paths they replace run instead")
 
 TYPES = ["Q4_0", "Q4_1", "Q8_0"]
@@ -189,7 +189,7 @@ def test_the_build_is_the_one_asked_for():
     assert width in (256, 512) and (want is None or width == want)
 
 
-@pytest.mark.skipif(os.environ.get("XINFER_CPU_MARCH") is not None, reason="already the AVX2 run")
+@pytest.mark.skipif(os.environ.get("XINFER_CPU_MARCH") is not None, reason="this is the AVX2 rerun itself (XINFER_CPU_MARCH is set)")
 def test_the_avx2_build_passes_the_same_tests(tmp_path):
     """AVX2 machines (no AVX-512) get their own matmul kernels: built here for Haswell, which this
     CPU also runs, with every test above."""

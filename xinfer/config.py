@@ -61,7 +61,7 @@ class EngineConfig:
         why = ("the model is not a GGUF with quantized weights" if not quantized_gguf
                else "the kernels run on the CPU only" if not self.device.startswith("cpu")
                else f"the kernels compute in float32, not {self.dtype}" if self.dtype != "float32"
-               else "the CPU kernels could not be built here (they need a C compiler and AVX-512)"
+               else "the CPU kernels could not be built here (they need a C compiler and AVX-512 or AVX2)"
                if not cpu_kernels.available() else None)
         if why and self.quantization == "gguf":
             raise ValueError(f"--quantization gguf: {why}")
