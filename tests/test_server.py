@@ -82,6 +82,27 @@ def test_bad_requests_get_openai_errors(server, body, param):
     assert status == 200  # the server still serves
 
 
+@pytest.mark.parametrize("extra", [
+    {"top_k": 9223372036854775808},  # once overflowed a torch long in the worker: restart loop, exit 1
+    {"top_k": 10 ** 6},  # more than the vocabulary: no filter, not a crash
+    {"seed": 18446744073709551615, "n": 2},  # seed + 1 once broke the step plan's int64: scheduler exit
+    {"seed": 9223372036854775807, "n": 2},
+])
+def test_known_killers_leave_other_streams_and_the_server_up(server, extra):
+    import concurrent.futures as cf
+    base = server[0]
+    chat = {"messages": [{"role": "user", "content": "Count to ten"}], "max_tokens": 24, "temperature": 0}
+    with cf.ThreadPoolExecutor(2) as pool:
+        other = pool.submit(post, base, "/v1/chat/completions", {**chat, "ignore_eos": True})
+        status, body = post(base, "/v1/chat/completions", {**chat, "max_tokens": 4, **extra})
+        assert status in (200, 400), body
+        if status == 400:
+            assert body["error"]["param"] in extra
+        ostatus, obody = other.result()
+    assert ostatus == 200 and obody["usage"]["completion_tokens"] == 24
+    assert post(base, "/v1/chat/completions", {**chat, "max_tokens": 2})[0] == 200
+
+
 def test_web_page_and_health(server):
     base = server[0]
     with urllib.request.urlopen(base + "/") as r:

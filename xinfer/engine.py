@@ -12,7 +12,7 @@ from xinfer.detokenizer import IncrementalDetokenizer
 from xinfer.errors import InvalidRequestError
 from xinfer.kv_cache import BlockManager
 from xinfer.loader import load_model_info
-from xinfer.sampling_params import SamplingParams
+from xinfer.sampling_params import SEED_MASK, SamplingParams
 from xinfer.scheduler import FINISHED, Scheduler, Sequence
 from xinfer.workers.model_runner import ModelRunner, num_kv_blocks
 from xinfer.workers.worker import RestartBudget, WorkerDied
@@ -108,7 +108,7 @@ class Engine:
         rid = request_id or f"req-{next(self._ids)}"
         seqs = []
         for i in range(params.n):
-            seed = None if params.seed is None else params.seed + i
+            seed = None if params.seed is None else (params.seed + i) & SEED_MASK
             seq = Sequence(next(self._ids), rid, list(ids), params, seed, max_tokens)
             seqs.append(seq)
             self._meta[seq.seq_id] = (i, rid)

@@ -6,6 +6,10 @@ import msgspec
 from xinfer.errors import InvalidRequestError
 
 
+_INT64 = 2**63
+SEED_MASK = 2**63 - 1  # a sibling's seed (seed + i) stays within int64
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     n: int = 1
     max_tokens: int | None = 16  # None: up to the model's context length
@@ -36,6 +40,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        # Every integer travels in int64 msgspec frames and torch tensors: bound them here, at the edge.
+        for name in ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not -_INT64 <= v < _INT64:
+                bad(name, f"is out of range, got {v}")
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", f"must be >= 1, got {self.n}")
         if self.max_tokens is not None and self.max_tokens < 0:
@@ -48,6 +57,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             bad("top_k", f"must be -1, 0 (off) or >= 1, got {self.top_k}")
+        if vocab_size is not None and self.top_k > vocab_size:
+            self.top_k = 0  # keeping more tokens than the vocabulary has is no filter at all
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", f"must be in [0, 1], got {self.min_p}")
         for name in ("presence_penalty", "frequency_penalty"):

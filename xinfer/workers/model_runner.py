@@ -201,7 +201,7 @@ class ModelRunner:
             if s.seed is not None:
                 # the noise for output position k depends only on (seed, k)
                 seeds.append((i, s.seed * 1_000_003 + len(out)))
-        top_k = [p.top_k if p.top_k > 0 else V for p in ps]
+        top_k = [min(p.top_k, V) if p.top_k > 0 else V for p in ps]
         return SamplingBatch(
             temperature=torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev),
             top_k=col(top_k, torch.long, off=V), top_p=col([p.top_p for p in ps], off=1.0),
