@@ -8,14 +8,14 @@ tensors; this module only lays them out for C. XINFER_CPU_DECODE=0 keeps the op-
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 
 from ops.cpu_kernels import lib
 from ops.quant import QuantWeight
+from xinfer import envs
 
-ENABLED = os.environ.get("XINFER_CPU_DECODE", "1") != "0"
+ENABLED = envs.cpu_decode()
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 

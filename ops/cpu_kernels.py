@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from xinfer import envs
 
 log = logging.getLogger("xinfer.ops")
 
@@ -30,8 +31,7 @@ SRC = Path(__file__).with_name("cpu_kernels.c")
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("XINFER_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "xinfer")
-    return Path(base) / "kernels"
+    return Path(envs.cache_dir()) / "kernels"
 
 
 def _cpu_id() -> str:
@@ -48,9 +48,9 @@ def _cpu_id() -> str:
 @functools.cache
 def lib():
     """The compiled kernels, or None (logged once) where they cannot be built here."""
-    if platform.machine() not in ("x86_64", "AMD64") or os.environ.get("XINFER_CPU_KERNELS") == "0":
+    if platform.machine() not in ("x86_64", "AMD64") or not envs.cpu_kernels():
         return None
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = envs.c_compiler() or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         log.info("no C compiler: the CPU kernels are off")
         return None
@@ -74,7 +74,7 @@ def lib():
 def _build(cc: str):
     """Compile (once per source, compiler and CPU) and load the kernels; None if gcc refuses."""
     torch_lib = Path(torch.__file__).parent / "lib"
-    march = os.environ.get("XINFER_CPU_MARCH", "native")
+    march = envs.cpu_march()
     key = hashlib.sha256(SRC.read_bytes() + cc.encode() + _cpu_id().encode() + str(torch_lib).encode()
                          + march.encode()).hexdigest()[:16]
     out = _cache_dir() / f"cpu_kernels-{key}.so"

@@ -7,14 +7,14 @@ XINFER_ONEDNN=0 goes back to MKL for comparisons. A weight that also has GGUF bl
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
 
 from ops.quant import MAX_ROWS
+from xinfer import envs
 
-_ONEDNN = (os.environ.get("XINFER_ONEDNN", "1") != "0" and torch.backends.mkldnn.is_available()
+_ONEDNN = (envs.onednn() and torch.backends.mkldnn.is_available()
            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 

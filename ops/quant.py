@@ -12,16 +12,15 @@ path runs alone. XINFER_QUANT_MAX_ROWS moves the crossover (measured in bench/NO
 """
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import torch
 
 from ops.cpu_kernels import lib
+from xinfer.loader.gguf import BLOCK_TYPES
+from xinfer import envs
 
-MAX_ROWS = int(os.environ.get("XINFER_QUANT_MAX_ROWS", "16"))
-# GGUF type name -> bytes per 32-weight block
-BLOCK_TYPES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+MAX_ROWS = envs.quant_max_rows()
 
 
 class QuantWeight:

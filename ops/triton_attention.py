@@ -25,11 +25,11 @@ Sliding window follows transformers' ``sliding_window_overlay``: a query at posi
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
+from xinfer import envs
 
 __all__ = ["store_kv", "paged_attention"]
 
@@ -38,7 +38,7 @@ __all__ = ["store_kv", "paged_attention"]
 def _interpreter_needs_fp32_dot(dtype: torch.dtype) -> bool:
     # The Triton interpreter stores bf16 as uint16 and its tl.dot runs np.matmul on the raw bits, so under
     # TRITON_INTERPRET=1 bf16 operands are upcast (exact) before the dot.  Compiled kernels use native dots.
-    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return dtype == torch.bfloat16 and envs.triton_interpret()
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from tests.conftest import stop_server
 pytest.importorskip("aiohttp")
 pytest.importorskip("matplotlib")
 
-from bench import cli, load, stats  # noqa: E402
+from bench import cli, cmd_soak, load, stats  # noqa: E402
 from bench.stats import RequestRecord  # noqa: E402
 
 
@@ -425,9 +425,9 @@ def test_soak_against_fake_server(fake, tmp_path):
 
 def test_rss_growth_check():
     flat = [(t, 500 * 2**20) for t in range(0, 100, 5)]
-    assert cli.rss_growth(flat) == (0.0, 0.0)
+    assert cmd_soak.rss_growth(flat) == (0.0, 0.0)
     growing = [(t, (500 + t) * 2**20) for t in range(0, 100, 5)]
-    g, slope = cli.rss_growth(growing)
+    g, slope = cmd_soak.rss_growth(growing)
     assert g > 50 and slope == pytest.approx(60.0)  # 1 MiB/s
 
 

@@ -65,8 +65,8 @@ def test_unknown_architecture(tiny_llama_path, tmp_path):
 
 
 @pytest.mark.parametrize("prompt, params, match", [
-    ([1] * 60, SamplingParams(max_tokens=10), "exceeds max_model_len"),
-    ([1] * 70, SamplingParams(max_tokens=None), "exceeds max_model_len"),
+    ([1] * 60, SamplingParams(max_tokens=10), "exceeds the model.s context length"),
+    ([1] * 70, SamplingParams(max_tokens=None), "exceeds the model.s context length"),
     ([1, 2], SamplingParams(max_tokens=-1), "max_tokens must be >= 0"),
     ([1, 2], SamplingParams(top_p=1.5), "top_p must be in"),
     ([1, 2], SamplingParams(temperature=-0.5), "temperature must be in"),

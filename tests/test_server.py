@@ -257,7 +257,7 @@ def test_a_client_gone_as_its_tokens_arrive_still_aborts():
     """The handler is cancelled in the same loop turn as a delta lands in its queue: the abort must
     still go out (asyncio.wait_for on Python 3.11 returns the item and swallows such a cancel)."""
     from xinfer.api.metrics import Metrics
-    from xinfer.api.server import EngineClient
+    from xinfer.api.engine_client import EngineClient
     from xinfer.ipc.api import Abort, ToEngine
     from xinfer.ipc.channels import Codec
     from xinfer.ipc.text import TextDelta

@@ -3,27 +3,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
-import os
 import sys
 import time
 
+from xinfer import envs
 from xinfer.config import EngineConfig
 from xinfer.errors import XinferError
-
-
-def setup_logging(level: str = "info", name: str = "xinfer") -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                        format=f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s", datefmt="%H:%M:%S")
-
-
-def set_title(name: str) -> None:
-    """Name the process for ps and top (xinfer::launch, xinfer::api, xinfer::scheduler, ...)."""
-    try:
-        import setproctitle
-        setproctitle.setproctitle(name)
-    except ImportError:
-        pass
+from xinfer.launch import launch
+from xinfer.parsers import TOOL_PARSERS
+from xinfer.process import setup_logging
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -77,15 +65,12 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from xinfer.launch import launch
-
     if not args.startup_timeout > 0:
         raise ValueError(f"--startup-timeout must be > 0 seconds, got {args.startup_timeout}")
-    from xinfer.parsers import TOOL_PARSERS
     if args.enforce_parser is not None and args.enforce_parser not in TOOL_PARSERS:
         raise ValueError(f"--enforce-parser {args.enforce_parser!r} is not one of {', '.join(TOOL_PARSERS)}")
     api_options = dict(ui_port=args.port + 1 if args.ui_server else None,
-                       api_key=args.api_key or os.environ.get("XINFER_API_KEY") or None,
+                       api_key=args.api_key or envs.api_key(),
                        max_n=args.max_n, max_request_bytes=args.max_request_bytes,
                        enforce_parser=args.enforce_parser, disable_reasoning=args.disable_reasoning,
                        keepalive_s=args.sse_keepalive)

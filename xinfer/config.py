@@ -3,10 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-import torch
-
 QUANTIZATIONS = ("auto", "none", "gguf")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -35,12 +33,8 @@ class EngineConfig:
     restart_window: float = 300.0  # ... within this many seconds, before the engine gives up
 
     def __post_init__(self):
-        if self.device == "auto":
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.dtype == "auto":
-            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES + ("auto",):
+            raise ValueError(f"--dtype must be one of {sorted(DTYPES)} or auto, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -52,6 +46,23 @@ class EngineConfig:
             raise ValueError(f"--quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"--load-format must be 'auto' or 'dummy', got {self.load_format!r}")
+
+    def resolve(self, model_config: dict) -> "EngineConfig":
+        """Settle what depends on the machine and the model (device and dtype "auto", the context
+        length); idempotent. Only the processes that run the model call it: it imports torch."""
+        if self.device == "auto":
+            import torch
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+        return self.resolve_context(model_config)
+
+    def resolve_context(self, model_config: dict) -> "EngineConfig":
+        """The max_model_len default, the one place it is computed (the API process needs it
+        without torch): the model's context, at most 4096."""
+        if self.max_model_len is None:
+            self.max_model_len = min(model_config.get("max_position_embeddings") or 4096, 4096)
+        return self
 
     def resolve_quantization(self, quantized_gguf: bool) -> None:
         """Settle 'auto' once the checkpoint is known; an explicit gguf that cannot run is an error."""
@@ -68,9 +79,11 @@ class EngineConfig:
         self.quantization = "none" if why else "gguf"
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+    def torch_dtype(self):
+        import torch
+        return getattr(torch, self.dtype)
 
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+

@@ -1,273 +1,154 @@
-"""The engine core (scheduler) process.
+"""The engine core: every request's state, and the step that advances them all.
 
-Requests arrive from the API process over ZMQ. Each step runs on the model worker process
-(shared-memory rings, see workers/worker.py); the new token ids go to the detokenizer
-process, whose text goes through the parser process to the API. A stop string found by the
-detokenizer comes back here and frees the sequence at once.
+`EngineCore.step()` is three calls: the scheduler picks the batch (schedule), the runner runs
+it (execute), the scheduler applies the sampled tokens (update). Nothing here knows about
+text, sockets or processes: the offline `Engine` (xinfer/engine.py) and the serving process
+(`EngineCoreProc`, xinfer/engine_core_proc.py) both drive this same object.
 
-This process holds every live sequence's tokens, so any child can die without losing a
-request: a new worker recomputes from the tokens, and a new detokenizer/parser pair is
-resynchronised with every live sequence's whole output (the API keeps only the text it has
-not seen yet).
+Requests are trusted here: they were checked once, by `check_request` (xinfer/sampling_params.py),
+in the API process or in the offline Engine.
 """
 from __future__ import annotations
 
+import itertools
 import logging
-import multiprocessing as mp
-import os
-import shutil
-import signal
-import sys
 import time
-
-import zmq
+from collections import OrderedDict
+from dataclasses import dataclass
 
 from xinfer.config import EngineConfig
-from xinfer.errors import XinferError
-from xinfer.ipc import launch
-from xinfer.ipc.api import Abort, FromEngine, GenerateRequest, Ready, RequestError, Stats, ToEngine
-from xinfer.ipc.channels import Codec, endpoint, socket
-from xinfer.ipc.step import pack_ids, unpack_ids
-from xinfer.ipc.text import SeqInit, StopHit, TokenBatch, TokenDelta
-from xinfer.workers.detokenizer import run_detokenizer
-from xinfer.workers.parser import run_parser
+from xinfer.ipc.api import Stats
+from xinfer.kv_cache import BlockManager
+from xinfer.loader import ModelInfo
+from xinfer.sampling_params import SEED_MASK, SamplingParams
+from xinfer.scheduler import FINISHED, Scheduler, Sequence
+from xinfer.workers.runner import RestartBudget, Runner, WorkerDied
 
 log = logging.getLogger("xinfer.engine_core")
 
-_PROMPT_TAIL = 8
-_KEEP_FINISHED_S = 60.0  # finished sequences stay resendable this long after a pipeline restart
+@dataclass
+class Delta:
+    """One streaming event: the new tokens and text of one sequence since the last event."""
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n choices
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list | None = None  # per new token, when asked: (logprob, [(token id, logprob), ...])
+    prompt_logprobs: list | None = None  # with the first delta, when asked: None for token 0, then entries
+    queue_time: float = 0.0  # with the last delta: seconds from arrival to first scheduled
 
 
-def run_engine_core(config: EngineConfig, rundir: str, in_addr: str, out_addr: str, log_level: str,
-                    parent: int) -> None:
-    """`parent` is the supervisor: when it is gone, this process stops (it is passed in rather
-    than read here, since the parent may die while this process is still starting)."""
-    from xinfer.cli import set_title, setup_logging
-    from xinfer.engine import Engine
-
-    name = "xinfer::scheduler"
-    setup_logging(log_level, name)
-    set_title(name)
-    # SIGTERM (the supervisor stopping us) unwinds through the finally clauses: the children
-    # and the shared-memory rings are released. Ctrl-C is the supervisor's to handle (it
-    # drains first); the children started from here inherit the ignored SIGINT.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    launch.exit_with_parent(parent)  # the loop below checks too; this also covers a long model load
-    core = EngineCore(config, rundir, in_addr, out_addr, log_level, parent)
-    try:
-        engine = Engine(config, worker="process", log_level=log_level, detokenize=False)
-    except Exception as e:  # a bad model or flag: the supervisor shows the message and stops
-        log.debug("start-up failed", exc_info=True)
-        _fail(name, e)
-    try:
-        core.budget = engine.restart_budget
-        core.start_pipeline()
-        core.push.send(core.tx.encode(Ready(engine.info.name, engine.max_model_len, os.getpid())))
-        launch.started(name, [p.name for p in core.procs])
-        log.info("ready")
-        core.serve(engine)
-    except XinferError as e:  # e.g. too many child restarts: a clear message, no traceback
-        _fail(name, e)
-    except Exception as e:
-        log.exception("stopped by an unexpected error")
-        _fail(name, e)
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
-        core.stop_pipeline()
-        engine.close()
-        if core.orphaned or os.getppid() != parent:  # nobody is left to clean up or to wait: be gone
-            shutil.rmtree(rundir, ignore_errors=True)
-            logging.shutdown()
-            os._exit(1)
-
-
-def _fail(name: str, e: Exception):
-    message = str(e) if isinstance(e, XinferError) else f"{type(e).__name__}: {e}"
-    log.error("%s", message)
-    launch.failed(name, message)
-    raise SystemExit(1)
+_KEEP_FINISHED = 4096  # finished sequences remembered (cached-token counts); bounded: a server runs forever
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, rundir: str, in_addr: str, out_addr: str, log_level: str,
-                 parent: int):
-        self.config, self.rundir, self.out_addr, self.log_level = config, rundir, out_addr, log_level
-        self.ctx = zmq.Context()
-        self.pull = socket(self.ctx, zmq.PULL, in_addr, bind=False)
-        self.stop_addr = endpoint(rundir, "stop_hits")
-        self.pull.bind(self.stop_addr)  # the detokenizer's stop-string hits arrive here too
-        self.push = socket(self.ctx, zmq.PUSH, out_addr, bind=False)
-        self.rx, self.tx = Codec(ToEngine | StopHit), Codec(FromEngine)
-        self.tok_codec = Codec(TokenBatch)
-        self.parent = parent
-        self.live: dict[int, dict] = {}  # seq id -> what the detokenizer needs to rebuild its text
-        self.new_inits: list[SeqInit] = []
-        self.gen = 0
-        self.procs: list = []
-        self.to_detok = None
-        self.pipeline_restarts = 0
-        self.budget = None  # the engine's RestartBudget, shared with worker restarts
-        self.orphaned = False
-        self.last_stats = None  # the last Stats sent to the API
+    def __init__(self, config: EngineConfig, info: ModelInfo, runner: Runner):
+        """`runner` is started: it sized the KV cache after loading the weights."""
+        self.config, self.info, self.runner = config, info, runner
+        self.max_model_len = config.max_model_len
+        self.blocks = BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_cache,
+                                   config.prefix_cache_max_tokens)
+        self.scheduler = Scheduler(config, self.blocks, self.max_model_len, info.eos_token_ids)
+        self.restart_budget = RestartBudget(config.max_restarts, config.restart_window)
+        self._ids = itertools.count()
+        self._zero: list[Sequence] = []  # max_tokens=0 requests: finished without running
+        self.finished: OrderedDict[int, Sequence] = OrderedDict()
+        self.num_prompt_tokens = self.num_generation_tokens = self.num_cached_prompt_tokens = 0
 
-    # ---- the detokenizer -> parser pipeline ----
-    def start_pipeline(self) -> None:
-        self.gen += 1
-        to_detok, to_parser = endpoint(self.rundir, f"to_detok-{self.gen}"), endpoint(self.rundir,
-                                                                                       f"to_parser-{self.gen}")
-        self.to_detok = socket(self.ctx, zmq.PUSH, to_detok, bind=True)
-        # A send to a dead detokenizer would block forever: time out and check on it instead.
-        self.to_detok.setsockopt(zmq.SNDTIMEO, 1000)
-        spawn = mp.get_context("spawn")
-        # The parser binds its input before the detokenizer connects; ZMQ queues until then.
-        self.procs = [
-            spawn.Process(target=run_parser, name="xinfer::parser", daemon=True,
-                          args=(to_parser, self.out_addr, self.log_level, os.getpid())),
-            spawn.Process(target=run_detokenizer, name="xinfer::detokenizer", daemon=True,
-                          args=(self.config.model, self.config.load_format, to_detok, to_parser, self.stop_addr,
-                                self.log_level, os.getpid())),
-        ]
-        for p in self.procs:
-            p.start()
+    # ---- requests ----
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> list[Sequence]:
+        """Queue one checked request; returns its n choices."""
+        max_tokens = self.max_model_len - len(prompt_ids) if params.max_tokens is None else params.max_tokens
+        seqs = [Sequence(next(self._ids), request_id, list(prompt_ids), params,
+                         None if params.seed is None else (params.seed + i) & SEED_MASK, max_tokens, index=i)
+                for i in range(params.n)]
+        if max_tokens == 0 and params.prompt_logprobs is None:
+            for s in seqs:
+                s.status, s.finish_reason, s.finish_time = FINISHED, "length", time.time()
+            self._zero.extend(seqs)
+        else:
+            self.scheduler.add(seqs[0], seqs[1:])
+        return seqs
 
-    def stop_pipeline(self) -> None:
-        for p in self.procs:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
-        if self.to_detok is not None:
-            self.to_detok.close()
+    def abort(self, seq_id: int, reason: str = "abort") -> None:
+        seq = self.scheduler.abort(seq_id, reason)
+        if seq is not None:
+            self._remember(seq)
 
-    def _send_detok(self, batch: TokenBatch) -> None:
-        frame = self.tok_codec.enc.encode(batch)
-        while True:
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or bool(self._zero)
+
+    def num_cached_tokens(self, seq_id: int) -> int:
+        seq = self.scheduler.seqs.get(seq_id) or self.finished.get(seq_id)
+        return (seq.num_cached_tokens or 0) if seq is not None else 0
+
+    # ---- the step ----
+    def step(self) -> list[Delta]:
+        """One step: a Delta (without text) for every sequence that moved, in batch order."""
+        out = [self._delta(s, []) for s in self._zero]
+        self._zero = []
+        if not self.scheduler.has_work():
+            return out
+        plan = self.scheduler.schedule()
+        try:
+            result = self.runner.execute(plan)
+        except WorkerDied as e:
+            self.recover(e)
+            return out
+        for seq, tok in self.scheduler.update(result):
+            toks = [] if tok is None else [tok]
+            self.num_generation_tokens += len(toks)
+            if len(seq.output_ids) <= 1 and (toks or seq.finish_reason):
+                self.num_prompt_tokens += len(seq.prompt_ids)
+                self.num_cached_prompt_tokens += seq.num_cached_tokens or 0
+            if seq.finish_reason:
+                self._remember(seq)
+            out.append(self._delta(seq, toks))
+        return out
+
+    def _delta(self, seq: Sequence, toks: list[int]) -> Delta:
+        d = Delta(seq.seq_id, seq.request_id, seq.index, toks, "", seq.finish_reason)
+        if seq.params.logprobs is not None and toks:
+            d.logprobs = seq.logprobs[-1:]
+        if seq.params.prompt_logprobs is not None and len(seq.output_ids) <= 1:
+            d.prompt_logprobs = [None] + seq.prompt_logprobs
+        if seq.finish_reason and seq.scheduled_time is not None:
+            d.queue_time = max(0.0, seq.scheduled_time - seq.arrival_time)
+        return d
+
+    def _remember(self, seq: Sequence) -> None:
+        self.finished[seq.seq_id] = seq
+        while len(self.finished) > _KEEP_FINISHED:
+            self.finished.popitem(last=False)
+
+    # ---- faults ----
+    def recover(self, err: Exception) -> None:
+        """A worker died: start a new one and recompute every running sequence from its tokens.
+        Clients see a slower response, not an error; greedy outputs are unchanged."""
+        while True:  # a worker that dies while it starts counts as one more restart
+            self.restart_budget.record("xinfer::worker-0", str(err))
+            log.warning("model worker died (%s); restarting it and recomputing %d sequences", err,
+                        len(self.scheduler.running))
+            self.scheduler.reset_worker_state()
             try:
-                self.to_detok.send(frame)
+                self.runner.restart()
                 return
-            except zmq.Again:
-                if self._check_pipeline():
-                    return  # restarted: the resync carried this batch's content too
+            except WorkerDied as e:
+                err = e
 
-    def _check_pipeline(self) -> bool:
-        """Restart the detokenizer/parser pair if either died; True if it did."""
-        if all(p.is_alive() for p in self.procs):
-            return False
-        self.pipeline_restarts += 1
-        dead = [p.name for p in self.procs if not p.is_alive()]
-        if self.budget is not None:
-            self.budget.record(" and ".join(dead), "exit code " + ", ".join(
-                str(p.exitcode) for p in self.procs if not p.is_alive()))
-        log.warning("%s died; restarting the detokenizer/parser pair and resending %d sequences",
-                    ", ".join(dead), len(self.live))
-        self.stop_pipeline()
-        self.start_pipeline()
-        self.new_inits = []
-        inits = [s["init"] for s in self.live.values()]
-        deltas = [TokenDelta(sid, pack_ids(s["tokens"]), s["finish"], s["cached"], s["logprobs"],
-                             s["prompt_logprobs"], s["queue_time"]) for sid, s in self.live.items()]
-        self._send_detok(TokenBatch(inits, deltas, resync=True))
-        return True
+    def check_worker(self) -> None:
+        """Restart a worker that died while the engine was idle (before a request needs it)."""
+        why = self.runner.dead()
+        if why:
+            self.recover(WorkerDied(why))
 
-    # ---- the loop ----
-    def serve(self, engine) -> None:
-        while True:
-            self._check_pipeline()
-            self._send_stats(engine)
-            # Block while idle (an idle server burns no core); only drain the queue while busy.
-            timeout = 0 if engine.has_unfinished() else 500
-            while self.pull.poll(timeout):
-                timeout = 0
-                self._handle(engine, self.rx.decode(self.pull.recv()))
-            self._purge()
-            if os.getppid() != self.parent:  # the supervisor is gone (even SIGKILLed): stop
-                log.warning("the supervisor exited; stopping")
-                self.orphaned = True
-                return
-            if not engine.has_unfinished():
-                engine.check_worker()  # a worker that died while idle is replaced now
-                continue
-            t = time.perf_counter()
-            deltas = engine.step()
-            log.debug("step %.1f ms, %d outputs", (time.perf_counter() - t) * 1e3, len(deltas))
-            out = []
-            for d in deltas:
-                s = self.live.get(d.seq_id)
-                if s is None:
-                    continue
-                s["tokens"].extend(d.token_ids)
-                s["cached"] = engine.get_num_cached_tokens_for_seq(d.seq_id)
-                if d.logprobs is not None:
-                    s["logprobs"] = s["logprobs"] or []
-                    s["logprobs"].extend(d.logprobs)
-                if d.prompt_logprobs is not None:
-                    s["prompt_logprobs"] = d.prompt_logprobs
-                s["queue_time"] = d.queue_time
-                if d.finish_reason:
-                    self._done(s, d.finish_reason)
-                out.append(TokenDelta(d.seq_id, pack_ids(d.token_ids), d.finish_reason, s["cached"], d.logprobs,
-                                      d.prompt_logprobs, d.queue_time))
-            # The counters first: they go straight to the API, the tokens through two more
-            # processes, so /metrics already counts a request when its response ends.
-            self._send_stats(engine)
-            self._send_tokens(out)
+    def stats(self) -> Stats:
+        s = self.scheduler
+        return Stats(len(s.running), len(s.waiting), self.blocks.usage(), self.num_prompt_tokens,
+                     self.num_generation_tokens, self.num_cached_prompt_tokens, s.num_preemptions,
+                     self.runner.restarts)
 
-    def _send_stats(self, engine) -> None:
-        stats = _stats(engine)
-        if stats != self.last_stats:  # sent when something changed, so an idle engine sends nothing
-            self.push.send(self.tx.encode(stats))
-            self.last_stats = stats
-
-    def _handle(self, engine, msg) -> None:
-        if isinstance(msg, GenerateRequest):
-            try:
-                ids = unpack_ids(msg.prompt_ids)
-                seq_ids = engine.add_request(ids, msg.params, msg.request_id)
-            except XinferError as e:
-                self.push.send(self.tx.encode(RequestError(msg.request_id, str(e))))
-                return
-            tail = pack_ids(ids[-_PROMPT_TAIL:])
-            for index, sid in enumerate(seq_ids):
-                init = SeqInit(sid, msg.request_id, index, tail, list(msg.params.stop),
-                               msg.params.skip_special_tokens, msg.parse)
-                self.live[sid] = {"init": init, "tokens": [], "finish": None, "cached": 0, "done_at": None,
-                                  "request_id": msg.request_id, "logprobs": None, "prompt_logprobs": None,
-                                  "queue_time": 0.0}
-                self.new_inits.append(init)
-        elif isinstance(msg, Abort):
-            gone = [sid for sid, s in self.live.items() if s["request_id"] == msg.request_id and not s["finish"]
-                    and msg.index in (-1, s["init"].index)]
-            for sid in gone:
-                engine.abort(sid)
-            self._finish_here(gone, "abort")
-        elif isinstance(msg, StopHit):
-            s = self.live.get(msg.seq_id)
-            if s is not None and not s["finish"]:
-                engine.abort(msg.seq_id)
-                self._done(s, "stop")
-
-    def _finish_here(self, seq_ids, reason) -> None:
-        """Sequences that end here, not in a step: tell the detokenizer to drop them."""
-        for sid in seq_ids:
-            self._done(self.live[sid], reason)
-        self._send_tokens([TokenDelta(sid, b"", reason, 0) for sid in seq_ids])
-
-    def _done(self, s, reason) -> None:
-        s["finish"], s["done_at"] = reason, time.monotonic()
-
-    def _send_tokens(self, deltas) -> None:
-        if deltas or self.new_inits:
-            batch, self.new_inits = TokenBatch(self.new_inits, deltas), []
-            self._send_detok(batch)
-
-    def _purge(self) -> None:
-        now = time.monotonic()
-        for sid in [sid for sid, s in self.live.items() if s["done_at"] and now - s["done_at"] > _KEEP_FINISHED_S]:
-            del self.live[sid]
-
-
-def _stats(engine) -> Stats:
-    s = engine.scheduler
-    return Stats(len(s.running), len(s.waiting), engine.blocks.usage(), engine.num_prompt_tokens,
-                 engine.num_generation_tokens, engine.num_cached_prompt_tokens, s.num_preemptions,
-                 getattr(engine.runner, "restarts", 0))
+    def close(self) -> None:
+        self.runner.close()

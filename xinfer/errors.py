@@ -10,4 +10,8 @@ class ModelLoadError(XinferError):
 
 
 class InvalidRequestError(XinferError, ValueError):
-    """A request or sampling parameter is invalid (maps to HTTP 400)."""
+    """A request or sampling parameter is invalid (maps to HTTP 400; `param` and `code` go in its body)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code

@@ -37,10 +37,11 @@ import time
 
 import zmq
 
+from xinfer import envs, process
 from xinfer.config import EngineConfig
 from xinfer.ipc import launch as msgs
-from xinfer.ipc.channels import Codec, endpoint, runtime_dir, socket
-from xinfer.ipc.shm_ring import pid_alive
+from xinfer.ipc.channels import Codec, socket
+from xinfer.ipc.topology import Topology
 
 log = logging.getLogger("xinfer.launch")
 
@@ -51,14 +52,14 @@ class LaunchFailed(Exception):
     """Stops the launch; the message is shown to the user."""
 
 
-def _run_api(*args) -> None:  # imported in the child only: the supervisor stays small
-    from xinfer.api.server import serve
-    serve(*args)
+# The children's entry points, named by module so the supervisor never imports them: it stays
+# small, and the API process (spawned) imports only the API.
+API_ENTRY, SCHEDULER_ENTRY = ("xinfer.api.server", "serve"), ("xinfer.engine_core_proc", "run_engine_core")
 
 
-def _run_scheduler(*args) -> None:
-    from xinfer.engine_core import run_engine_core
-    run_engine_core(*args)
+def _run(entry, *args) -> None:
+    import importlib
+    getattr(importlib.import_module(entry[0]), entry[1])(*args)
 
 
 class Supervisor:
@@ -79,12 +80,12 @@ class Supervisor:
 
     # ---- the whole life ----
     def run(self) -> int:
-        self.rundir = runtime_dir()
+        self.topology = Topology.create()
+        self.rundir = self.topology.rundir
         self.ctx = zmq.Context()
-        addr = endpoint(self.rundir, "launch")
-        self.inbox = socket(self.ctx, zmq.PULL, addr, bind=True)
+        self.inbox = socket(self.ctx, zmq.PULL, self.topology.launch, bind=True)
         self.codec = Codec(msgs.LaunchMessage)
-        os.environ[msgs.ENV] = addr  # every process started from here reports to the inbox
+        os.environ[envs.LAUNCH] = self.topology.launch  # every process started from here reports to the inbox
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             return self._run()
@@ -95,20 +96,18 @@ class Supervisor:
             self._stop_all()
             for s, h in old.items():
                 signal.signal(s, h)
-            os.environ.pop(msgs.ENV, None)
+            os.environ.pop(envs.LAUNCH, None)
             self.inbox.close()
             self.ctx.term()
             shutil.rmtree(self.rundir, ignore_errors=True)
 
     def _run(self) -> int:
         deadline = time.monotonic() + self.startup_timeout
-        in_addr, out_addr = endpoint(self.rundir, "to_engine"), endpoint(self.rundir, "from_engine")
-        self._start(API, _run_api, (self.config, self.rundir, self.host, self.port, self.log_level,
-                                    self.max_queued_requests, self.drain_timeout, os.getpid(), self.api_options))
+        self._start(API, API_ENTRY, (self.config, self.topology, self.host, self.port, self.log_level,
+                                     self.max_queued_requests, self.drain_timeout, os.getpid(), self.api_options))
         if not self._wait_started({API}, deadline):
             return 0
-        self._start(SCHEDULER, _run_scheduler, (self.config, self.rundir, in_addr, out_addr, self.log_level,
-                                                os.getpid()))
+        self._start(SCHEDULER, SCHEDULER_ENTRY, (self.config, self.topology, self.log_level, os.getpid()))
         if not self._wait_started({SCHEDULER}, deadline):
             return 0
         self.ready = True
@@ -124,8 +123,8 @@ class Supervisor:
             os.kill(api.pid, signal.SIGTERM)  # the drain starts now, not at the next turn of the watch loop
 
     # ---- start-up ----
-    def _start(self, name: str, target, args) -> None:
-        p = mp.get_context("spawn").Process(target=target, name=name, args=args)
+    def _start(self, name: str, entry: tuple[str, str], args) -> None:
+        p = mp.get_context("spawn").Process(target=_run, name=name, args=(entry, *args))
         p.start()
         self.procs[name] = p
 
@@ -148,7 +147,7 @@ class Supervisor:
                         f = self.failures[0]
                         raise LaunchFailed(f"{f.name} failed to start: {f.message}")
                     raise LaunchFailed(f"{name} exited during start-up (exit code {p.exitcode}); see the log above")
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline and not self.expect <= self.started.keys():
                 missing = ", ".join(sorted(self.expect - self.started.keys()))
                 raise LaunchFailed(f"start-up timed out after {self.startup_timeout:g}s waiting for {missing} "
                                    "(a big model may need a larger --startup-timeout)")
@@ -242,7 +241,7 @@ def _ours(pids) -> list[int]:
                 title = f.read()
         except OSError:
             continue
-        if title.startswith(b"xinfer::") and pid_alive(pid):
+        if title.startswith(b"xinfer::") and process.pid_alive(pid):
             out.append(pid)
     return out
 
@@ -251,8 +250,7 @@ def launch(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, log_
            max_queued_requests: int = 256, drain_timeout: float = 30.0, startup_timeout: float = 600.0,
            api_options: dict | None = None) -> int:
     """Run the server until it stops; returns the exit code. `api_options`: the API process's own
-    settings (see xinfer.api.server.create_app)."""
-    from xinfer.cli import set_title
-    set_title("xinfer::launch")
+    settings (see xinfer.api.app.create_app)."""
+    process.set_title("xinfer::launch")
     return Supervisor(config, host, port, log_level, max_queued_requests, drain_timeout, startup_timeout,
                       api_options).run()

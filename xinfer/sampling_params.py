@@ -36,7 +36,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         def bad(field, msg):
-            raise InvalidRequestError(f"{field} {msg}")
+            raise InvalidRequestError(f"{field} {msg}", param=field.replace("token id", "logit_bias"))
 
         if isinstance(self.stop, str):
             self.stop = [self.stop]
@@ -78,3 +78,25 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             if not -100.0 <= v <= 100.0:
                 bad("logit_bias", f"values must be in [-100, 100], got {v}")
         return self
+
+
+def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
+                  num_blocks: int | None = None, block_size: int = 16) -> None:
+    """The one check of a request before it reaches the engine core (the API process runs it, and
+    the offline Engine): its sampling params, its token ids, and room for it in the context and
+    in the KV cache. Raises InvalidRequestError naming the field."""
+    params.validate(vocab_size)
+    if not prompt_ids:
+        raise InvalidRequestError("prompt is empty", param="prompt")
+    bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(f"unknown token id {bad} (vocabulary size {vocab_size})", param="prompt")
+    room = max_model_len - len(prompt_ids)
+    if room < 1 or params.max_tokens is not None and params.max_tokens > room:
+        raise InvalidRequestError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                                  f"the model's context length ({max_model_len})", param="max_tokens",
+                                  code="context_length_exceeded")
+    need = -(-(len(prompt_ids) + (room if params.max_tokens is None else params.max_tokens)) // block_size)
+    if num_blocks is not None and need > num_blocks:
+        raise InvalidRequestError(f"request needs {need} KV blocks but the cache holds {num_blocks}; "
+                                  "raise --kv-cache-gb or shorten it", param="max_tokens")

@@ -44,6 +44,7 @@ class Sequence:
     finish_time: float | None = None
     num_preemptions: int = 0
     children: list["Sequence"] = field(default_factory=list)  # n > 1 siblings waiting for the prompt
+    index: int = 0  # which of its request's n choices
 
     @property
     def tokens(self) -> list[int]:

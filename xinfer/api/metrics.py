@@ -2,6 +2,8 @@
 request-level latency histograms measured in the API process."""
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -50,6 +52,10 @@ class Metrics:
         self.generation_tokens.labels(self.model).observe(generation_tokens)
         self.queue.labels(self.model).observe(queue_time)
 
+    def request(self, prompt_tokens: int) -> RequestMetrics:
+        """The recorder of one request (one prompt, all its choices), timed from now."""
+        return RequestMetrics(self, prompt_tokens)
+
     def collect(self):
         s, m = self.stats, [self.model]
         for name, doc, value in (
@@ -73,3 +79,37 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class RequestMetrics:
+    """Latencies and outcomes of one request as its outputs arrive."""
+
+    def __init__(self, metrics: Metrics, prompt_tokens: int):
+        self.m = metrics
+        self.prompt_tokens = prompt_tokens
+        self.start = self.last = time.monotonic()
+        self.first = True
+
+    def tokens(self, new_tokens: int) -> None:
+        """An output arrived carrying `new_tokens` tokens not seen before."""
+        if not new_tokens:
+            return
+        m, now = self.m, time.monotonic()
+        if self.first:
+            m.ttft.labels(m.model).observe(now - self.start)
+            new_tokens -= 1
+            self.first = False
+        for _ in range(new_tokens):  # tokens that arrive together: spread over the gap
+            m.itl.labels(m.model).observe((now - self.last) / new_tokens)
+        self.last = now
+
+    def choice_done(self, reason: str, generation_tokens: int, queue_time: float) -> None:
+        self.m.request_done(reason, self.prompt_tokens, generation_tokens, queue_time)
+
+    def done(self) -> None:
+        """Every choice finished."""
+        self.m.e2e.labels(self.m.model).observe(time.monotonic() - self.start)
+
+    def aborted(self, choices: int) -> None:
+        """`choices` ended unfinished (the client went away, or an error)."""
+        self.m.finished.labels(self.m.model, "abort").inc(choices)

@@ -23,6 +23,8 @@ class Ready(msgspec.Struct, array_like=True, tag="ready"):
     model: str
     max_model_len: int
     pid: int = 0  # the engine core's: the API watches it
+    num_blocks: int = 0  # the KV cache's size (so the API can refuse a request that can never fit)
+    block_size: int = 16
 
 
 class Stats(msgspec.Struct, array_like=True, tag="stats"):

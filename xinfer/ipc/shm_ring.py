@@ -33,6 +33,8 @@ from multiprocessing import shared_memory
 
 import zmq
 
+from xinfer.process import pid_alive
+
 MAGIC = 0x58524E47  # "XRNG"
 _HDR = struct.Struct("<IIIIII Q")
 _SLOT = struct.Struct("<QII")
@@ -64,23 +66,6 @@ class PeerDied(RuntimeError):
 
 class RingClosed(RuntimeError):
     pass
-
-
-def pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return True  # not registered yet
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # a zombie child still answers kill(0): look at its state
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().split(b") ", 1)[1][:1] != b"Z"
-    except OSError:
-        return True
 
 
 class _Ring:

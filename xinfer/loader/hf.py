@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 
+from xinfer import envs
 from xinfer.errors import ModelLoadError
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -22,11 +22,7 @@ def bundled_model_path() -> str:
 
 
 def hf_cache_dirs() -> list[Path]:
-    env = os.environ
-    dirs = [env.get("HF_HUB_CACHE"), env.get("HUGGINGFACE_HUB_CACHE"),
-            env.get("HF_HOME") and os.path.join(env["HF_HOME"], "hub"),
-            os.path.expanduser("~/.cache/huggingface/hub")]
-    return [Path(d) for d in dict.fromkeys(d for d in dirs if d)]
+    return [Path(d) for d in envs.hf_cache_dirs()]
 
 
 def resolve_model(model: str | None) -> tuple[str, str]:

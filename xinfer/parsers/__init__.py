@@ -1,19 +1,25 @@
-"""Tool-call and reasoning parsers: pure Python, incremental (feed chunks, then finish)."""
+"""Tool-call and reasoning parsers: pure Python, incremental (feed chunks, then finish).
+One file per tool-call family; importing this package registers them all in TOOL_PARSERS."""
+from xinfer.parsers.base import TOOL_PARSERS, ToolParser, choose_tool_parser, get_tool_parser
+# The import order is TOOL_PARSERS' order (the CLI lists the names in it).
+from xinfer.parsers.json_calls import JsonToolParser
+from xinfer.parsers.qwen import QwenToolParser
+from xinfer.parsers.qwen_coder import QwenCoderToolParser
+from xinfer.parsers.llama import LlamaToolParser
+from xinfer.parsers.mistral import MistralToolParser
+from xinfer.parsers.pythonic import PythonicToolParser
+from xinfer.parsers.deepseek import DeepSeekToolParser
+from xinfer.parsers.passthrough import PassthroughToolParser
 from xinfer.parsers.reasoning import (
     ReasoningParser,
     reasoning_markers,
     starts_in_reasoning,
 )
 from xinfer.parsers.schema import check_arguments
-from xinfer.parsers.tools import (
-    TOOL_PARSERS,
-    ToolCallDelta,
-    ToolParser,
-    choose_tool_parser,
-    get_tool_parser,
-)
 
 __all__ = [
-    "TOOL_PARSERS", "ReasoningParser", "ToolCallDelta", "ToolParser", "check_arguments",
+    "TOOL_PARSERS", "ReasoningParser", "ToolParser", "check_arguments",
     "choose_tool_parser", "get_tool_parser", "reasoning_markers", "starts_in_reasoning",
+    "DeepSeekToolParser", "JsonToolParser", "LlamaToolParser", "MistralToolParser",
+    "PassthroughToolParser", "PythonicToolParser", "QwenCoderToolParser", "QwenToolParser",
 ]

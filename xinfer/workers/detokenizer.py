@@ -2,42 +2,36 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import zmq
 
+from xinfer import process
 from xinfer.detokenizer import IncrementalDetokenizer
-from xinfer.ipc import launch
 from xinfer.ipc.channels import Codec, socket
 from xinfer.ipc.step import unpack_ids
 from xinfer.ipc.text import ParseInit, StopHit, TextBatch, TextDelta, TokenBatch
+from xinfer.ipc.topology import Topology
+from xinfer.loader import load_model_info
 
 log = logging.getLogger("xinfer.detokenizer")
 
 
-def run_detokenizer(model: str | None, load_format: str, in_addr: str, out_addr: str, stop_addr: str,
-                    log_level: str, parent: int) -> None:
-    from xinfer.cli import set_title, setup_logging
-    from xinfer.loader import load_model_info
+def run_detokenizer(model: str | None, load_format: str, topology: Topology, gen: int, log_level: str,
+                    parent: int) -> None:
+    process.run_process("xinfer::detokenizer", log_level, _main, model, load_format, topology, gen, parent,
+                        parent=parent)
 
-    setup_logging(log_level, "xinfer::detokenizer")
-    set_title("xinfer::detokenizer")
+
+def _main(model, load_format, topology: Topology, gen: int, parent: int) -> None:
     tok = load_model_info(model, load_format).tokenizer
     ctx = zmq.Context()
-    pull = socket(ctx, zmq.PULL, in_addr, bind=False)
-    push = socket(ctx, zmq.PUSH, out_addr, bind=False)
-    stops = socket(ctx, zmq.PUSH, stop_addr, bind=False)
+    pull = socket(ctx, zmq.PULL, topology.to_detokenizer(gen), bind=False)
+    push = socket(ctx, zmq.PUSH, topology.to_parser(gen), bind=False)
+    stops = socket(ctx, zmq.PUSH, topology.stop_hits, bind=False)
     rx, tx = Codec(TokenBatch), Codec(TextBatch | StopHit)
     seqs: dict[int, tuple] = {}  # seq id -> (request id, index, detokenizer, tokens so far)
-    launch.started("xinfer::detokenizer")
-    while True:
-        if not pull.poll(1000):
-            if os.getppid() != parent:
-                return
-            continue
-        batch = rx.decode(pull.recv())
-        if batch is None:
-            continue
+
+    def handle(batch: TokenBatch) -> None:
         parse_inits = []
         for init in batch.inits:
             det = IncrementalDetokenizer(tok, unpack_ids(init.prompt_tail), init.stop, init.skip_special_tokens)
@@ -66,3 +60,6 @@ def run_detokenizer(model: str | None, load_format: str, in_addr: str, out_addr:
                                      d.token_ids if d.logprobs else b"", d.prompt_logprobs, d.queue_time))
         if out or parse_inits:
             push.send(tx.encode(TextBatch(out, parse_inits, batch.resync)))
+
+    process.started("xinfer::detokenizer")
+    process.frame_loop(pull, rx, handle, parent)

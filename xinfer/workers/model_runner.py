@@ -14,7 +14,8 @@ from ops.quant import MAX_ROWS
 from ops.sampling import SamplingBatch, sample
 from xinfer.config import EngineConfig
 from xinfer.ipc.step import StepPlan, StepResult, pack_ids, unpack_ids
-from xinfer.loader import ModelInfo, build_model
+from xinfer.loader import ModelInfo
+from xinfer.loader.weights import build_model
 from xinfer.models.layers import attach_blocks
 from xinfer.sampling_params import SamplingParams
 
@@ -48,7 +49,13 @@ def num_kv_blocks(config: EngineConfig, cfg: dict, dtype: torch.dtype, device: t
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, info: ModelInfo, num_blocks: int):
+    """The in-process Runner (xinfer/workers/runner.py); the worker process runs one too."""
+
+    restarts = 0
+
+    def __init__(self, config: EngineConfig, info: ModelInfo, num_blocks: int | None = None):
+        """`num_blocks` None: as many KV blocks as the memory budget allows, measured now that
+        the weights are loaded (on a GPU, free memory is only known here)."""
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
@@ -62,7 +69,8 @@ class ModelRunner:
         self.eos_ids = info.eos_token_ids
         self.backend = get_backend(config.attention_backend, self.device)
         self.block_size = config.block_size
-        self.num_blocks = num_blocks
+        self.num_blocks = num_blocks or config.num_kv_blocks or num_kv_blocks(config, cfg, self.dtype,
+                                                                               self.device)
         self._alloc_kv(cfg)
         self.seqs: dict[int, WorkerSeq] = {}
 
@@ -75,6 +83,15 @@ class ModelRunner:
             layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
                  2 * len(layers) * np.prod(shape) * layers[0].k_cache.element_size() / (1 << 30))
+
+    def restart(self) -> None:
+        self.seqs.clear()  # in-process: nothing died; the recompute refills the batch
+
+    def dead(self) -> str | None:
+        return None
+
+    def close(self) -> None:
+        pass
 
     # ---- the persistent batch ----
     def _apply(self, plan: StepPlan):

@@ -7,21 +7,22 @@ scheduler recomputes the lost state from the tokens it holds.
 """
 from __future__ import annotations
 
-import collections
 import logging
 import multiprocessing as mp
 import os
-import signal
 import time
 
 import msgspec
 
+from xinfer import process
 from xinfer.config import EngineConfig
-from xinfer.errors import XinferError
-from xinfer.ipc import launch
-from xinfer.ipc.channels import Codec, endpoint
+from xinfer.ipc.channels import Codec
 from xinfer.ipc.shm_ring import PeerDied, RingClosed, RingReader, RingWriter, create_ring
 from xinfer.ipc.step import StepPlan, StepResult
+from xinfer.ipc.topology import Topology
+from xinfer.loader import load_model_info
+from xinfer.workers.model_runner import ModelRunner
+from xinfer.workers.runner import WorkerDied
 
 log = logging.getLogger("xinfer.worker")
 
@@ -31,58 +32,23 @@ RESULT_SLOT = 1 << 16
 
 class WorkerReady(msgspec.Struct, array_like=True, tag="ready"):
     pid: int
+    num_blocks: int  # the KV cache it allocated (sized after the weights loaded)
 
 
-class WorkerDied(RuntimeError):
-    pass
-
-
-class TooManyRestarts(XinferError):
-    pass
-
-
-class RestartBudget:
-    """--max-restarts child restarts within --restart-window seconds, shared by every child
-    the engine restarts (the worker, the detokenizer, the parser); one more is an error."""
-
-    def __init__(self, max_restarts: int, window: float):
-        self.max, self.window = max_restarts, window
-        self.times: collections.deque[float] = collections.deque()
-
-    def record(self, child: str, why: str) -> None:
-        now = time.monotonic()
-        self.times.append(now)
-        while self.times and now - self.times[0] > self.window:
-            self.times.popleft()
-        if len(self.times) > self.max:
-            raise TooManyRestarts(f"{child} died ({why}): {len(self.times)} child restarts within "
-                                  f"{self.window:g}s, more than --max-restarts {self.max} allows; giving up")
-
-
-def run_worker(config: EngineConfig, num_blocks: int, plan_ring: str, result_ring: str, plan_side: str,
+def run_worker(config: EngineConfig, num_blocks: int | None, plan_ring: str, result_ring: str, plan_side: str,
                result_side: str, rank: int, log_level: str) -> None:
-    from xinfer.cli import setup_logging, set_title
-    from xinfer.loader import load_model_info
-    from xinfer.workers.model_runner import ModelRunner
+    process.run_process(f"xinfer::worker-{rank}", log_level, _worker_main, config, num_blocks, plan_ring,
+                        result_ring, plan_side, result_side, rank, parent=os.getppid())
 
-    name = f"xinfer::worker-{rank}"
-    setup_logging(log_level, name)
-    set_title(name)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's to handle
-    launch.exit_with_parent(os.getppid())  # the rings watch the scheduler too, once loaded
-    plans = RingReader(plan_ring, rank, plan_side)
+
+def _worker_main(config, num_blocks, plan_ring, result_ring, plan_side, result_side, rank) -> None:
+    plans = RingReader(plan_ring, rank, plan_side)  # the rings watch the scheduler's liveness too
     results = RingWriter(result_ring, [result_side])
-    try:
-        runner = ModelRunner(config, load_model_info(config.model, config.load_format), num_blocks)
-    except Exception as e:
-        log.debug("start-up failed", exc_info=True)
-        log.error("could not start: %s", e)
-        launch.failed(name, f"{type(e).__name__}: {e}" if not isinstance(e, XinferError) else str(e))
-        raise SystemExit(1)
+    runner = ModelRunner(config, load_model_info(config.model, config.load_format), num_blocks)
     enc = msgspec.msgpack.Encoder()
     dec = Codec(StepPlan)
-    launch.started(name)
-    results.write(enc.encode(WorkerReady(os.getpid())))
+    process.started(f"xinfer::worker-{rank}")
+    results.write(enc.encode(WorkerReady(os.getpid(), runner.num_blocks)))
     while True:
         try:
             frame = plans.read()
@@ -100,11 +66,12 @@ def run_worker(config: EngineConfig, num_blocks: int, plan_ring: str, result_rin
 
 
 class ProcessRunner:
-    """Scheduler-side stand-in for a ModelRunner that lives in a worker process."""
+    """The Runner (xinfer/workers/runner.py) whose ModelRunner lives in a worker process."""
 
-    def __init__(self, config: EngineConfig, num_blocks: int, rundir: str, log_level: str = "info",
+    def __init__(self, config: EngineConfig, topology: Topology, log_level: str = "info",
                  startup_timeout: float = 600.0):
-        self.config, self.num_blocks, self.rundir = config, num_blocks, rundir
+        self.config, self.topology = config, topology
+        self.num_blocks = config.num_kv_blocks  # None until the first worker has sized the cache
         self.log_level, self.startup_timeout = log_level, startup_timeout
         self.generation = 0
         self.restarts = 0
@@ -117,10 +84,10 @@ class ProcessRunner:
     def _start(self) -> None:
         self.generation += 1
         g = self.generation
-        tag = f"xinfer-{os.getpid()}-{g}"
-        self._shms = [create_ring(1, 8, PLAN_SLOT, name=f"{tag}-plan"), create_ring(1, 8, RESULT_SLOT,
-                                                                                     name=f"{tag}-result")]
-        plan_side, result_side = endpoint(self.rundir, f"plan-side-{g}"), endpoint(self.rundir, f"result-side-{g}")
+        t = self.topology
+        self._shms = [create_ring(1, 8, PLAN_SLOT, name=t.ring("plan", g)),
+                      create_ring(1, 8, RESULT_SLOT, name=t.ring("result", g))]
+        plan_side, result_side = t.plan_side(g), t.result_side(g)
         self.plans = RingWriter(self._shms[0].name, [plan_side])
         self.results = RingReader(self._shms[1].name, 0, result_side)
         self.proc = mp.get_context("spawn").Process(
@@ -137,6 +104,7 @@ class ProcessRunner:
             raise
         if not isinstance(msg, WorkerReady):
             raise WorkerDied("the worker sent something other than its ready message")
+        self.num_blocks = msg.num_blocks
         log.info("worker %d ready (pid %d)", g, msg.pid)
 
     def _wait_ready(self):
@@ -162,6 +130,11 @@ class ProcessRunner:
         if not isinstance(result, StepResult) or result.step_id != plan.step_id:
             raise WorkerDied(f"the worker answered step {plan.step_id} with {result!r:.80}")
         return result
+
+    def dead(self) -> str | None:
+        if self.proc is not None and not self.proc.is_alive():
+            return f"exit code {self.proc.exitcode}"
+        return None
 
     def restart(self) -> None:
         self.restarts += 1

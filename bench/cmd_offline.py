@@ -1,0 +1,93 @@
+"""`xinfer-bench offline`: in-process Engine throughput on random token ids, no HTTP."""
+from __future__ import annotations
+
+import dataclasses
+import random
+import sys
+import time
+from pathlib import Path
+
+from bench import load, stats
+from bench.common import git_commit, machine_info, now_iso, stem_of, write_json
+from xinfer.cli import engine_config
+
+
+def run(args) -> int:
+    import logging
+    logging.basicConfig(level=logging.WARNING)
+    from xinfer import Engine, SamplingParams
+
+    t_load = time.perf_counter()
+    engine = Engine(engine_config(args))  # --seed seeds the engine as well as the prompts
+    t_load = time.perf_counter() - t_load
+    rng = random.Random(args.seed)
+    hi = min(engine.vocab_size, 10000)
+    limit = engine.max_model_len
+    prompts, outs = [], []
+    if args.batch:
+        n_in = min(args.input_len, limit - 1)
+        prompt = [rng.randint(0, hi - 1) for _ in range(n_in)]
+        n_out = min(args.max_tokens, limit - n_in)
+        if n_out < args.max_tokens:
+            print(f"xinfer-bench: --max-tokens {args.max_tokens} clipped to {n_out} to fit max_model_len {limit}",
+                  file=sys.stderr)
+        prompts, outs = [list(prompt) for _ in range(args.batch)], [n_out] * args.batch
+    else:
+        for _ in range(args.num_seqs):
+            n_in = min(rng.randint(args.min_input_len, args.max_input_len), limit - 1)
+            n_out = min(rng.randint(args.min_output_len, args.max_output_len), limit - n_in)
+            prompts.append([rng.randint(0, hi - 1) for _ in range(n_in)])
+            outs.append(n_out)
+    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n, seed=args.seed + i)
+              for i, n in enumerate(outs)]
+    engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    recs: dict[int, stats.RequestRecord] = {}
+    progress = load.Progress(len(prompts), None, "offline ", enabled=not args.quiet)
+    t0 = time.perf_counter()
+    order = []
+    for d in engine.stream(prompts, params):
+        now = time.perf_counter() - t0
+        rec = recs.get(d.seq_id)
+        if rec is None:
+            rec = recs[d.seq_id] = stats.RequestRecord(ok=True, usage_reported=True)
+            order.append(d.seq_id)
+        if d.token_ids:
+            if rec.ttft is None:
+                rec.ttft = now
+            rec.chunk_times.append(now)
+            rec.output_len += len(d.token_ids)
+        if d.finish_reason:
+            rec.latency = now
+            progress.update(rec)
+    duration = time.perf_counter() - t0
+    progress.draw(final=True)
+    records = [recs[s] for s in sorted(recs)]
+    for rec, p in zip(records, prompts):  # seq ids are handed out in the order prompts were added
+        rec.prompt_len = len(p)
+    m = stats.compute_metrics(records, duration)
+    c = engine.config
+    r = {"mode": "offline", "date": now_iso(), "machine": machine_info(),
+         "commit": git_commit(), "scenario": args.scenario, "model": engine.info.name,
+         "engine_config": dataclasses.asdict(c), "load_s": t_load,
+         "config": {"num_seqs": len(prompts), "batch": args.batch, "input_len": args.input_len,
+                    "max_tokens": args.max_tokens, "min_input_len": args.min_input_len,
+                    "max_input_len": args.max_input_len, "min_output_len": args.min_output_len,
+                    "max_output_len": args.max_output_len, "temperature": args.temperature, "seed": args.seed},
+         **m,
+         "output_throughput_series": stats.token_rate_series(records, duration),
+         "concurrency_series": stats.concurrency_series(records, duration),
+         **stats.records_lists(records)}
+    print(stats.table(r, "Offline Throughput"))
+    print(f"{len(prompts)} sequences, {m['total_input_tokens']} prompt + {m['total_output_tokens']} generated "
+          f"tokens in {duration:.2f}s: {m['output_throughput']:.1f} output tok/s, "
+          f"{m['total_token_throughput']:.1f} total tok/s ({c.device}, {c.dtype}, max_num_seqs {c.max_num_seqs})")
+    out = Path(args.output_dir)
+    stem = stem_of(args, "offline")
+    write_json(out / f"{stem}.json", r)
+    files = [out / f"{stem}.json"]
+    if args.plots:
+        from bench import plots
+        files.append(plots.throughput_over_time(r, str(out / f"{stem}-throughput.png"),
+                                                f"offline: {engine.info.name}, {len(prompts)} sequences"))
+    print("wrote " + ", ".join(map(str, files)))
+    return 0

@@ -1,0 +1,49 @@
+"""The routes about the server itself: the chat page, health, metrics, version and the model list."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from sanic import Sanic, response
+
+from xinfer import __version__
+from xinfer.api.state import ApiState
+
+WEB_PAGE = Path(__file__).parent / "web" / "index.html"
+
+
+def register(app: Sanic, s: ApiState, protected) -> None:
+    @app.get("/")
+    async def index(request):
+        return await response.file(WEB_PAGE, mime_type="text/html")
+
+    @app.get("/health")
+    async def health(request):
+        c = s.client
+        status = ("dead" if c.dead else "draining" if s.draining else
+                  "ok" if c.ready is not None and s.launched else "loading")
+        return response.json({"status": status}, status=200 if status == "ok" else 503)
+
+    @app.get("/metrics")
+    async def prometheus(request):
+        return response.raw(s.metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/version")
+    @protected
+    async def version(request):
+        return response.json({"version": __version__})
+
+    @app.get("/v1/models")
+    @protected
+    async def models(request):
+        return response.json({"object": "list", "data": [_model_card(s)]})
+
+    @app.get("/v1/models/<model_id:path>")
+    @protected
+    async def model(request, model_id):
+        s.check_model(model_id)
+        return response.json(_model_card(s))
+
+
+def _model_card(s: ApiState) -> dict:
+    return {"id": s.model_name, "object": "model", "created": 0, "owned_by": "xinfer",
+            "max_model_len": s.max_model_len}

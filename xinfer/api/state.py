@@ -1,0 +1,73 @@
+"""What the API routes share: the served model's facts, the flags, the metrics, the engine client
+and the checks every generation route makes before it queues work (admission, model name, room)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xinfer.api.engine_client import EngineClient
+from xinfer.api.metrics import Metrics
+from xinfer.api.protocol import ApiError
+from xinfer.api.responses import TokenStrings
+from xinfer.config import EngineConfig
+from xinfer.sampling_params import check_request
+
+
+@dataclass
+class ApiOptions:
+    """`xinfer serve` flags of the API process (the engine's are in EngineConfig)."""
+    api_key: str | None = None  # when set, every route but /, /health and /metrics needs it
+    max_n: int = 16
+    max_request_bytes: int = 8 << 20
+    enforce_parser: str | None = None  # tool-call parser; None: chosen from the model
+    disable_reasoning: bool = False  # the default of a request's `thinking` flag
+    keepalive_s: float = 15.0  # SSE comment after this long without output
+
+
+@dataclass
+class ApiState:
+    """One per app, on app.ctx.state."""
+    opts: ApiOptions
+    tok: object  # the model's tokenizer; None for a model without one (token ids only)
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    template: str | None  # the chat template
+    tool_parser: str
+    markers: tuple[str, str] | None  # reasoning start/end markers
+    strs: TokenStrings
+    metrics: Metrics
+    config: EngineConfig
+    max_queued_requests: int  # beyond the running batch, before admit() answers 503
+    client: EngineClient | None = None  # made when the server starts (its sockets need the loop)
+    draining: bool = False
+    launched: bool = False  # under the supervisor: its SIGUSR1 says every process is ready
+
+    def admit(self) -> None:
+        """503 with Retry-After while loading, draining or past the queue limit."""
+        c = self.client
+        if c.ready is None or c.dead or self.draining or not self.launched:
+            why, retry = ("shutting down" if self.draining else "not ready"), 5
+        elif len(c.queues) >= self.config.max_num_seqs + self.max_queued_requests:
+            why, retry = f"full: too many requests queued (limit {self.max_queued_requests})", 1
+        else:
+            return
+        self.metrics.rejected.labels(self.model_name).inc()
+        raise ApiError(f"the server is {why}; retry later", status=503, kind="service_unavailable",
+                       retry_after=retry)
+
+    def check_model(self, name) -> None:
+        if name is not None and name != self.model_name:
+            raise ApiError(f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                           status=404, kind="not_found_error", param="model", code="model_not_found")
+
+    def check(self, prompts, params) -> None:
+        """The one check of a request before it is queued (the engine core trusts it): sampling
+        params, token ids, room in the context and in the KV cache."""
+        ready = self.client.ready
+        for ids in prompts:
+            check_request(ids, params, self.vocab_size, self.max_model_len, ready.num_blocks or None,
+                          ready.block_size)
+
+    def need_tokenizer(self) -> None:
+        if self.tok is None:
+            raise ApiError("this model has no tokenizer: send token ids to /v1/completions", param="prompt")

@@ -1,0 +1,205 @@
+"""The answers of /v1/chat/completions and /v1/completions, whole or streamed (SSE): the engine's
+TextDeltas of every prompt and choice, merged and shaped into OpenAI's JSON."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+import uuid
+
+from sanic import response
+
+from xinfer import envs
+from xinfer.api.protocol import ApiError, usage
+from xinfer.api.responses import (ChoiceState, chat_delta, chat_logprobs, completion_logprobs,
+                                  merge_completion_logprobs)
+from xinfer.api.state import ApiState
+from xinfer.ipc.step import unpack_ids
+
+log = logging.getLogger("xinfer.api")
+
+
+async def _merged(s: ApiState, rid, prompts, params, spec):
+    """Every prompt's choices at once: (global choice index, TextDelta or None for keep-alive)."""
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def run(p_i, ids):
+        try:
+            async for o in s.client.generate(f"{rid}-{p_i}", ids, params, spec, s.opts.keepalive_s):
+                await q.put((p_i * params.n + o.index, o) if o is not None else (None, None))
+        except Exception as e:
+            await q.put((None, e))
+        finally:
+            await q.put((None, StopAsyncIteration()))
+
+    tasks = [asyncio.get_running_loop().create_task(run(p_i, ids)) for p_i, ids in enumerate(prompts)]
+    try:
+        left = len(tasks)
+        while left:
+            idx, o = await q.get()
+            if isinstance(o, StopAsyncIteration):
+                left -= 1
+            elif isinstance(o, Exception):
+                raise o
+            else:
+                yield idx, o
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _reasoning_tokens(s: ApiState, states) -> int:
+    texts = ["".join(st.reasoning) for st in states]
+    if not any(texts):
+        return 0
+    return await asyncio.get_running_loop().run_in_executor(
+        None, lambda: sum(len(s.tok.encode(t, add_special_tokens=False)) for t in texts if t))
+
+
+async def _usage(s: ApiState, prompts, n, states) -> dict:
+    return usage(sum(len(p) for p in prompts) * n, sum(st.tokens for st in states),
+                 sum(st.cached for st in states), await _reasoning_tokens(s, states))
+
+
+def _echoed(s: ApiState, body, prompts, params, states, idx) -> tuple[str, dict | None]:
+    """Echo: the prompt's text and, with logprobs, its scored tokens. The prompt is scored by
+    its first choice (n > 1 siblings share its KV blocks)."""
+    p_i = idx // params.n
+    lp = None
+    if params.logprobs is not None:
+        lp = completion_logprobs(s.strs, prompts[p_i], states[p_i * params.n].prompt_logprobs or [], 0)
+    return _echo(s, body, prompts, p_i), lp
+
+
+def _echo(s: ApiState, body, prompts, p_i) -> str:
+    p = body["prompt"]
+    if isinstance(p, str):
+        return p
+    if isinstance(p[0], str):
+        return p[p_i]
+    return s.tok.decode(prompts[p_i], skip_special_tokens=False)
+
+
+async def respond(s: ApiState, request, body, prompts, params, spec, chat: bool):
+    """The answer to a chat or completions request: one JSON body, or an SSE stream with `stream`."""
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    base = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": s.model_name}
+    if body.get("stream"):
+        return await _stream(s, request, rid, base, prompts, params, spec, chat, body)
+    n = params.n
+    states = [ChoiceState() for _ in range(len(prompts) * n)]
+    async for idx, o in _merged(s, rid, prompts, params, spec):
+        if o is not None:
+            states[idx].add(o)
+    choices = []
+    for idx, st in enumerate(states):
+        if chat:
+            msg = {"role": "assistant", "content": "".join(st.content) or (None if st.calls else "")}
+            reasoning = "".join(st.reasoning)
+            if reasoning:
+                msg["reasoning_content"] = reasoning
+            if st.calls:
+                msg["tool_calls"] = st.tool_calls()
+            lp = {"content": chat_logprobs(s.strs, st.logprob_ids, st.logprobs)} if params.logprobs is not None \
+                else None
+            choices.append({"index": idx, "message": msg, "logprobs": lp, "finish_reason": st.finish_reason})
+        else:
+            text, lp = "".join(st.content), None
+            if body.get("echo"):
+                prefix, lp = _echoed(s, body, prompts, params, states, idx)
+                text = prefix + text
+            if params.logprobs is not None:
+                start = len(text) - len("".join(st.content))
+                lp = merge_completion_logprobs(lp, completion_logprobs(s.strs, st.logprob_ids, st.logprobs,
+                                                                       start))
+            choices.append({"index": idx, "text": text, "logprobs": lp, "finish_reason": st.finish_reason})
+    if chat:
+        _log_chat(s, body, choices)
+    return response.json({**base, "choices": choices, "usage": await _usage(s, prompts, n, states)})
+
+
+async def _stream(s: ApiState, request, rid, base, prompts, params, spec, chat, body):
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+    resp = await request.respond(content_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def send(choices, extra=None):
+        payload = {**base, "object": chunk_kind, "choices": choices}
+        if include_usage:
+            payload["usage"] = None
+        payload.update(extra or {})
+        await resp.send("data: " + _dumps(payload) + "\n\n")
+
+    n = params.n
+    states = [ChoiceState() for _ in range(len(prompts) * n)]
+    calls_seen = [set() for _ in states]
+    text_len = [0] * len(states)
+    try:
+        if chat:
+            for i in range(len(states)):  # one choice per chunk, as clients read choices[0]
+                await send([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}])
+        elif body.get("echo"):
+            for i in range(len(states)):
+                text_len[i] = len(_echo(s, body, prompts, i // n))
+        echoed = set()
+        async for idx, o in _merged(s, rid, prompts, params, spec):
+            if o is None:
+                await resp.send(": keep-alive\n\n")
+                continue
+            st = states[idx]
+            st.add(o)
+            reason = st.finish_reason if o.finish_reason else None
+            if chat:
+                delta = chat_delta(o, calls_seen[idx])
+                lp = {"content": chat_logprobs(s.strs, unpack_ids(o.logprob_token_ids), o.logprobs)} \
+                    if o.logprobs else None
+                if delta or reason or lp:
+                    await send([{"index": idx, "delta": delta, "logprobs": lp, "finish_reason": reason}])
+                continue
+            text, lp = o.text, None
+            if body.get("echo") and idx not in echoed:
+                echoed.add(idx)
+                prefix, lp = _echoed(s, body, prompts, params, states, idx)
+                text = prefix + text
+            if o.logprobs:
+                lp = merge_completion_logprobs(lp, completion_logprobs(
+                    s.strs, unpack_ids(o.logprob_token_ids), o.logprobs, text_len[idx]))
+            text_len[idx] += len(o.text)
+            if text or reason or lp:
+                await send([{"index": idx, "text": text, "logprobs": lp, "finish_reason": reason}])
+        if include_usage:
+            await send([], {"usage": await _usage(s, prompts, n, states)})
+        if chat:
+            _log_chat(s, body, [{"index": i, "message": {"content": "".join(st.content),
+                                                         "reasoning_content": "".join(st.reasoning),
+                                                         "tool_calls": st.tool_calls()},
+                                 "finish_reason": st.finish_reason} for i, st in enumerate(states)])
+    except Exception as e:  # the stream has started: report in-band, then end it
+        log.warning("stream %s failed: %s", rid, e)
+        await resp.send("data: " + _dumps({"error": ApiError(str(e), status=500, kind="server_error")
+                                           .body()["error"]}) + "\n\n")
+    await resp.send("data: [DONE]\n\n")
+    await resp.eof()
+
+
+def _log_chat(s: ApiState, body, choices):
+    """XINFER_CHAT_LOGGER=1: one JSON line per conversation turn in ./log."""
+    if not envs.chat_logger():
+        return
+    try:
+        os.makedirs("log", exist_ok=True)
+        line = _dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": s.model_name,
+                       "messages": body.get("messages"), "choices": choices})
+        with open(os.path.join("log", time.strftime("chat-%Y%m%d.jsonl")), "a") as f:
+            f.write(line + "\n")
+    except OSError as e:
+        log.warning("chat logger: %s", e)
+
+
+def _dumps(obj) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))

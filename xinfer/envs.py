@@ -1,0 +1,81 @@
+"""Every environment variable xinfer reads, in one place (read when asked, so tests can set them)."""
+from __future__ import annotations
+
+import os
+
+
+def _flag(name: str, default: bool) -> bool:
+    v = os.environ.get(name)
+    if v is None or not v.strip():
+        return default
+    return v.strip().lower() not in ("0", "false", "no", "off")
+
+
+LAUNCH = "XINFER_LAUNCH"  # set by the supervisor for its children: where they report Started / Failed
+
+
+def launch_address() -> str | None:
+    return os.environ.get(LAUNCH) or None
+
+
+def api_key() -> str | None:
+    """XINFER_API_KEY: the default of --api-key."""
+    return os.environ.get("XINFER_API_KEY") or None
+
+
+def chat_logger() -> bool:
+    """XINFER_CHAT_LOGGER=1: append each chat turn to ./log/chat-YYYYMMDD.jsonl."""
+    return os.environ.get("XINFER_CHAT_LOGGER") == "1"
+
+
+def strict_tool_call() -> bool:
+    """XINFER_STRICT_TOOL_CALL=1: drop tool calls that do not match the request's schema."""
+    return _flag("XINFER_STRICT_TOOL_CALL", False)
+
+
+def quant_max_rows() -> int:
+    """XINFER_QUANT_MAX_ROWS: the largest batch that reads GGUF blocks (more rows use float weights)."""
+    return int(os.environ.get("XINFER_QUANT_MAX_ROWS", "16"))
+
+
+def cpu_decode() -> bool:
+    """XINFER_CPU_DECODE=0: the op-by-op decode step instead of the one-call C step."""
+    return os.environ.get("XINFER_CPU_DECODE", "1") != "0"
+
+
+def cpu_kernels() -> bool:
+    """XINFER_CPU_KERNELS=0: do not build or use ops/cpu_kernels.c."""
+    return os.environ.get("XINFER_CPU_KERNELS") != "0"
+
+
+def cpu_march() -> str:
+    """XINFER_CPU_MARCH: -march for the CPU kernels (default native)."""
+    return os.environ.get("XINFER_CPU_MARCH", "native")
+
+
+def cache_dir() -> str:
+    """XINFER_CACHE_DIR: where built kernels are kept (default ~/.cache/xinfer)."""
+    return os.environ.get("XINFER_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "xinfer")
+
+
+def onednn() -> bool:
+    """XINFER_ONEDNN=0: float32 matmuls through MKL instead of oneDNN."""
+    return os.environ.get("XINFER_ONEDNN", "1") != "0"
+
+
+def triton_interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def hf_cache_dirs() -> list[str]:
+    """Where a Hugging Face model id is looked up, first match wins."""
+    env = os.environ
+    dirs = [env.get("HF_HUB_CACHE"), env.get("HUGGINGFACE_HUB_CACHE"),
+            env.get("HF_HOME") and os.path.join(env["HF_HOME"], "hub"),
+            os.path.expanduser("~/.cache/huggingface/hub")]
+    return list(dict.fromkeys(d for d in dirs if d))
+
+
+def c_compiler() -> str | None:
+    """CC: the compiler for the CPU kernels (else cc or gcc on PATH)."""
+    return os.environ.get("CC") or None

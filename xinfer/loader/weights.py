@@ -1,0 +1,57 @@
+"""Building a model and loading its weights (the only part of the loader that needs torch)."""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from xinfer.errors import ModelLoadError
+from xinfer.loader import ModelInfo, hf
+from xinfer.models import model_class
+
+log = logging.getLogger("xinfer.loader")
+
+
+def build_model(info: ModelInfo, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    cls = model_class(info.config)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(info.config)
+    finally:
+        torch.set_default_dtype(prev)
+    if info.kind == "dummy":
+        _random_init(model)
+    else:
+        weights = info.gguf.tensors() if info.kind == "gguf" else hf.iter_safetensors(info.path)
+        try:
+            model.load_weights(_progress(weights, info.path))
+        except (KeyError, ValueError) as e:
+            raise ModelLoadError(f"weights of {info.path} do not fit {cls.__name__}: {e}") from None
+    return model.eval()
+
+
+def _random_init(model):
+    g = torch.Generator().manual_seed(0)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.data.fill_(0.0 if getattr(model, "norm_offset", 0.0) else 1.0)
+        else:
+            p.data.copy_(torch.randn(p.shape, generator=g) * 0.02)
+
+
+def _progress(weights, path):
+    t0 = last = time.monotonic()
+    n = 0
+    for item in weights:
+        n += 1
+        now = time.monotonic()
+        if now - last > 2.0:
+            log.info("loading %s: %d tensors, %.0fs", Path(path).name, n, now - t0)
+            last = now
+        yield item
+    log.info("loaded %d tensors from %s in %.1fs", n, Path(path).name, time.monotonic() - t0)
+

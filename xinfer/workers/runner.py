@@ -1,0 +1,51 @@
+"""What the engine core needs of a model runner, in-process or in a worker process."""
+from __future__ import annotations
+
+import collections
+import time
+from typing import Protocol
+
+from xinfer.errors import XinferError
+from xinfer.ipc.step import StepPlan, StepResult
+
+
+class WorkerDied(RuntimeError):
+    pass
+
+
+class TooManyRestarts(XinferError):
+    pass
+
+
+class Runner(Protocol):
+    num_blocks: int  # the KV cache's size, chosen by the runner once the weights are loaded
+    restarts: int
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step; raises WorkerDied if the model is gone (the core recomputes)."""
+
+    def restart(self) -> None:
+        """A fresh model state (same KV cache size); raises WorkerDied if it cannot start."""
+
+    def dead(self) -> str | None:
+        """Why the runner can't run (e.g. its process exited), or None."""
+
+    def close(self) -> None: ...
+
+
+class RestartBudget:
+    """--max-restarts child restarts within --restart-window seconds, shared by every child
+    the engine restarts (the worker, the detokenizer, the parser); one more is an error."""
+
+    def __init__(self, max_restarts: int, window: float):
+        self.max, self.window = max_restarts, window
+        self.times: collections.deque[float] = collections.deque()
+
+    def record(self, child: str, why: str) -> None:
+        now = time.monotonic()
+        self.times.append(now)
+        while self.times and now - self.times[0] > self.window:
+            self.times.popleft()
+        if len(self.times) > self.max:
+            raise TooManyRestarts(f"{child} died ({why}): {len(self.times)} child restarts within "
+                                  f"{self.window:g}s, more than --max-restarts {self.max} allows; giving up")
