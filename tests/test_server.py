@@ -146,11 +146,17 @@ def test_worker_killed_mid_stream_loses_no_request(server):
     msgs = [[{"role": "user", "content": f"Count from {i} to {i + 20}."}] for i in range(16)]
     streaming = threading.Event()  # some answer is under way: the kill lands mid-stream
 
+    gaps = []  # between two chunks of a stream once its first token came
+
     def ask(m):
         s = client.chat.completions.create(model=model, messages=m, max_tokens=64, temperature=0, stream=True,
                                            extra_body={"ignore_eos": True})
-        parts = []
+        parts, last = [], None
         for c in s:
+            now = time.monotonic()
+            if len(parts) >= 2:
+                gaps.append(now - last)
+            last = now
             if c.choices:
                 parts.append(c.choices[0].delta.content or "")
                 if len(parts) == 8:
@@ -159,6 +165,7 @@ def test_worker_killed_mid_stream_loses_no_request(server):
 
     with cf.ThreadPoolExecutor(16) as pool:
         want = list(pool.map(ask, msgs))
+        before, gaps[:] = max(gaps), []
         streaming.clear()
         futures = [pool.submit(ask, m) for m in msgs]
         assert streaming.wait(120)
@@ -167,6 +174,9 @@ def test_worker_killed_mid_stream_loses_no_request(server):
         os.kill(workers[0], signal.SIGKILL)
         assert not all(f.done() for f in futures)
         got = [f.result(timeout=300) for f in futures]
+    stall = max(gaps)
+    print(f"worker killed: longest gap between two chunks of a stream {stall:.2f}s (undisturbed {before:.2f}s)")
+    assert stall < before + 5.0  # restart (model load) and the recompute of all 16 sequences
     assert got == want
     new = [p for p in _descendants(server[2]) if _title(p) == "xinfer::worker-0"]
     assert len(new) == 1 and new != workers
@@ -397,20 +407,37 @@ def test_detokenizer_or_parser_killed_mid_stream_loses_no_text(server, victim):
     model = client.models.list().data[0].id
     msgs = [[{"role": "user", "content": f"Describe the colour {c}."}] for c in range(16)]
 
+    import threading
+    gaps = []  # between two chunks of a stream once its first token came (the prefill wait is not a stall)
+    streaming = threading.Event()  # answers are under way: the kill lands mid-stream
+
     def ask(m):
         s = client.chat.completions.create(model=model, messages=m, max_tokens=40, temperature=0, stream=True,
                                            stream_options={"include_usage": True})
-        chunks = list(s)
+        chunks, last = [], None
+        for c in s:
+            now = time.monotonic()
+            if len(chunks) >= 2:
+                gaps.append(now - last)
+            chunks.append(c)
+            last = now
+            if len(chunks) == 6:
+                streaming.set()
         return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].usage
 
     with cf.ThreadPoolExecutor(16) as pool:
         want = list(pool.map(ask, msgs))
+        before, gaps[:] = max(gaps), []
+        streaming.clear()
         futures = [pool.submit(ask, m) for m in msgs]
-        time.sleep(4)
+        assert streaming.wait(120)
         pids = [p for p in _descendants(server[2]) if _title(p) == victim]
         assert len(pids) == 1
         os.kill(pids[0], signal.SIGKILL)
         got = [f.result(timeout=300) for f in futures]
+    stall = max(gaps)
+    print(f"{victim} killed: longest gap between two chunks of a stream {stall:.2f}s (undisturbed {before:.2f}s)")
+    assert stall < before + 1.0  # a restarted detokenizer/parser is serving again within a second
     assert [g[0] for g in got] == [w[0] for w in want]
     assert [g[1].completion_tokens for g in got] == [w[1].completion_tokens for w in want]
     assert [p for p in _descendants(server[2]) if _title(p) == victim] != pids

@@ -71,9 +71,13 @@ def cmd_serve(args) -> int:
         raise ValueError(f"--enforce-parser {args.enforce_parser!r} is not one of {', '.join(TOOL_PARSERS)}")
     api_options = dict(ui_port=args.port + 1 if args.ui_server else None,
                        api_key=args.api_key or envs.api_key(),
-                       max_n=args.max_n, max_request_bytes=args.max_request_bytes,
+                       max_n=args.max_n, max_prompts=args.max_prompts_per_request,
+                       max_request_bytes=args.max_request_bytes,
                        enforce_parser=args.enforce_parser, disable_reasoning=args.disable_reasoning,
-                       keepalive_s=args.sse_keepalive)
+                       keepalive_s=args.sse_keepalive,
+                       allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
+                       keep_alive_timeout=args.keep_alive_timeout, request_read_timeout=args.request_read_timeout,
+                       max_connections_per_client=args.max_connections_per_client)
     return launch(engine_config(args), args.host, args.port, args.log_level, args.max_queued_requests,
                   args.drain_timeout, args.startup_timeout, api_options)
 
@@ -98,6 +102,8 @@ def main(argv=None) -> int:
     s = sub.add_parser("serve", help="start the OpenAI-compatible server with the web chat page "
                        "(under the xinfer-launch supervisor)")
     add_engine_args(s)
+    # A server refuses what it cannot start in time (retry later); an offline batch just waits.
+    s.set_defaults(max_queue_wait=120.0)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-queued-requests", type=int, default=256,
@@ -108,7 +114,22 @@ def main(argv=None) -> int:
                    help="require 'Authorization: Bearer KEY' on every route but /, /health and /metrics "
                         "(or set XINFER_API_KEY)")
     s.add_argument("--max-n", type=int, default=16, help="largest n (choices per request) accepted")
+    s.add_argument("--max-prompts-per-request", type=int, default=256,
+                   help="most prompts in one /v1/completions request (more get 400)")
     s.add_argument("--max-request-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
+    s.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
+                   help="Host header values answered, other ones get 421 (NAME allows any port, NAME:PORT "
+                        "one, '*' any); default: loopback names when bound to loopback, else any")
+    s.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                   help="web pages on other origins allowed to call the API (CORS; '*': any); "
+                        "a cross-origin POST from any other gets 403")
+    s.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                   help="seconds an idle connection is kept open")
+    s.add_argument("--request-read-timeout", type=float, default=30.0,
+                   help="seconds a request's head and body may take to arrive (408 and close after)")
+    s.add_argument("--max-connections-per-client", type=int, default=None, metavar="N",
+                   help="open connections per client address; more get 429 and are closed (0: no limit; "
+                        "default 64, loopback clients not counted)")
     s.add_argument("--enforce-parser", default=None,
                    help="tool-call parser (json, qwen, qwen_coder, llama, mistral, pythonic, deepseek, "
                         "passthrough); default: chosen from the model's chat template and architecture")

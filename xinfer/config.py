@@ -31,6 +31,9 @@ class EngineConfig:
     seed: int = 0
     max_restarts: int = 5  # child restarts (worker by recompute, detokenizer/parser) allowed ...
     restart_window: float = 300.0  # ... within this many seconds, before the engine gives up
+    # A request still waiting for its first step after this many seconds is refused (retry later);
+    # None: waits as long as it takes (offline batches). `xinfer serve` defaults to 120.
+    max_queue_wait: float | None = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES + ("auto",):
@@ -40,6 +43,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.max_queue_wait is not None and not self.max_queue_wait > 0:
+            raise ValueError(f"--max-queue-wait must be > 0 seconds, got {self.max_queue_wait}")
         if not self.restart_window > 0:
             raise ValueError(f"--restart-window must be > 0 seconds, got {self.restart_window}")
         if self.quantization not in QUANTIZATIONS:

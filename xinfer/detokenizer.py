@@ -26,6 +26,8 @@ class IncrementalDetokenizer:
         self.stopped: str | None = None  # the stop string that matched
 
     def _decode(self, ids):
+        if self.tok is None:  # a model served by token ids only: no text
+            return ""
         return self.tok.decode(ids, skip_special_tokens=self.skip)
 
     def add(self, token_ids: list[int]) -> str:

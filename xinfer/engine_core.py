@@ -38,6 +38,7 @@ class Delta:
     logprobs: list | None = None  # per new token, when asked: (logprob, [(token id, logprob), ...])
     prompt_logprobs: list | None = None  # with the first delta, when asked: None for token 0, then entries
     queue_time: float = 0.0  # with the last delta: seconds from arrival to first scheduled
+    error: str | None = None  # with finish_reason "error": why the request could not be run
 
 
 _KEEP_FINISHED = 4096  # finished sequences remembered (cached-token counts); bounded: a server runs forever
@@ -87,7 +88,7 @@ class EngineCore:
     # ---- the step ----
     def step(self) -> list[Delta]:
         """One step: a Delta (without text) for every sequence that moved, in batch order."""
-        out = [self._delta(s, []) for s in self._zero]
+        out = [self._delta(s, []) for s in self._zero] + self._expire()
         self._zero = []
         if not self.scheduler.has_work():
             return out
@@ -96,7 +97,10 @@ class EngineCore:
             result = self.runner.execute(plan)
         except WorkerDied as e:
             self.recover(e)
-            return out
+            return out + self._strike(plan, f"the model worker died running it ({e})")
+        if result.error is not None:  # the worker lives on; its batch is gone: recompute everything
+            self.scheduler.reset_worker_state()
+            return out + self._strike(plan, f"the model step failed ({result.error})")
         for seq, tok in self.scheduler.update(result):
             toks = [] if tok is None else [tok]
             self.num_generation_tokens += len(toks)
@@ -109,7 +113,7 @@ class EngineCore:
         return out
 
     def _delta(self, seq: Sequence, toks: list[int]) -> Delta:
-        d = Delta(seq.seq_id, seq.request_id, seq.index, toks, "", seq.finish_reason)
+        d = Delta(seq.seq_id, seq.request_id, seq.index, toks, "", seq.finish_reason, error=seq.error)
         if seq.params.logprobs is not None and toks:
             d.logprobs = seq.logprobs[-1:]
         if seq.params.prompt_logprobs is not None and len(seq.output_ids) <= 1:
@@ -117,6 +121,38 @@ class EngineCore:
         if seq.finish_reason and seq.scheduled_time is not None:
             d.queue_time = max(0.0, seq.scheduled_time - seq.arrival_time)
         return d
+
+    def _expire(self) -> list[Delta]:
+        """--max-queue-wait: requests that never got a step in time end as "timeout" (retry later)."""
+        limit = self.config.max_queue_wait
+        if limit is None:
+            return []
+        old = time.time() - limit
+        out = []
+        for seq in [s for s in self.scheduler.waiting if s.scheduled_time is None and s.arrival_time < old]:
+            seq.error = f"the request waited over {limit:g}s for a place in the running batch"
+            self.abort(seq.seq_id, "timeout")
+            out.append(self._delta(seq, []))
+        return out
+
+    def _strike(self, plan, why: str) -> list[Delta]:
+        """The poison-pill rule: every sequence of a failed step runs alone next (Scheduler.suspects);
+        one that fails a second time is the cause and ends with an error, so a request that breaks
+        the model can't replay itself into every new worker until the server gives up."""
+        out = []
+        for sid in [s.seq_id for s in plan.scheduled]:
+            seq = self.scheduler.seqs.get(sid)
+            if seq is None:
+                continue
+            seq.strikes += 1
+            if seq.strikes == 1:
+                self.scheduler.suspects.append(seq)
+                continue
+            log.warning("request %s aborted: %s a second time", seq.request_id, why)
+            seq.error = f"this request could not be run: {why}"
+            self.abort(seq.seq_id, "error")
+            out.append(self._delta(seq, []))
+        return out
 
     def _remember(self, seq: Sequence) -> None:
         self.finished[seq.seq_id] = seq
@@ -127,6 +163,7 @@ class EngineCore:
     def recover(self, err: Exception) -> None:
         """A worker died: start a new one and recompute every running sequence from its tokens.
         Clients see a slower response, not an error; greedy outputs are unchanged."""
+        t0 = time.monotonic()
         while True:  # a worker that dies while it starts counts as one more restart
             self.restart_budget.record("xinfer::worker-0", str(err))
             log.warning("model worker died (%s); restarting it and recomputing %d sequences", err,
@@ -134,6 +171,7 @@ class EngineCore:
             self.scheduler.reset_worker_state()
             try:
                 self.runner.restart()
+                self.restart_budget.took("xinfer::worker-0", time.monotonic() - t0)
                 return
             except WorkerDied as e:
                 err = e
@@ -148,7 +186,7 @@ class EngineCore:
         s = self.scheduler
         return Stats(len(s.running), len(s.waiting), self.blocks.usage(), self.num_prompt_tokens,
                      self.num_generation_tokens, self.num_cached_prompt_tokens, s.num_preemptions,
-                     self.runner.restarts)
+                     self.runner.restarts, [(c, n, t) for c, (n, t) in self.restart_budget.seconds.items()])
 
     def close(self) -> None:
         self.runner.close()

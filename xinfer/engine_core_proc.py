@@ -56,6 +56,7 @@ def _main(config: EngineConfig, topology: Topology, log_level: str, parent: int)
         config.resolve(info.config)
         config.resolve_quantization(info.kind == "gguf" and info.gguf.quantized)
         proc.core = EngineCore(config, info, ProcessRunner(config, topology, log_level))
+        proc.tokenizer = info.tokenizer.to_spec() if info.tokenizer is not None else None
         proc.start_pipeline()
         proc.push.send(proc.tx.encode(Ready(info.name, config.max_model_len, os.getpid(), proc.core.blocks.num_blocks,
                                             config.block_size)))
@@ -83,6 +84,7 @@ class EngineCoreProc:
     def __init__(self, config: EngineConfig, topology: Topology, log_level: str, parent: int):
         self.config, self.topology, self.log_level, self.parent = config, topology, log_level, parent
         self.core: EngineCore | None = None
+        self.tokenizer: tuple | None = None  # Tokenizer.to_spec(), for the detokenizer
         self.ctx = zmq.Context()
         self.pull = socket(self.ctx, zmq.PULL, topology.to_engine, bind=False)
         self.pull.bind(topology.stop_hits)  # the detokenizer's stop-string hits arrive here too
@@ -102,15 +104,16 @@ class EngineCoreProc:
         self.gen += 1
         t, g = self.topology, self.gen
         self.to_detok = socket(self.ctx, zmq.PUSH, t.to_detokenizer(g), bind=True)
-        # A send to a dead detokenizer would block forever: time out and check on it instead.
-        self.to_detok.setsockopt(zmq.SNDTIMEO, 1000)
+        # A send with no detokenizer connected blocks (a PUSH socket without peers): time out soon and
+        # check on it, so a dead one is replaced within a step, not a second.
+        self.to_detok.setsockopt(zmq.SNDTIMEO, 100)
         spawn = mp.get_context("spawn")
         # The parser binds its input before the detokenizer connects; ZMQ queues until then.
         self.procs = [
             spawn.Process(target=run_parser, name="xinfer::parser", daemon=True,
                           args=(t, g, self.log_level, os.getpid())),
             spawn.Process(target=run_detokenizer, name="xinfer::detokenizer", daemon=True,
-                          args=(self.config.model, self.config.load_format, t, g, self.log_level, os.getpid())),
+                          args=(self.tokenizer, t, g, self.log_level, os.getpid())),
         ]
         for p in self.procs:
             p.start()
@@ -131,17 +134,19 @@ class EngineCoreProc:
     def _send_detok(self, batch: TokenBatch) -> None:
         frame = self.tok_codec.encode(batch)
         while True:
+            if self._check_pipeline():
+                return  # restarted: the resync carried this batch's content too
             try:
                 self.to_detok.send(frame)
                 return
             except zmq.Again:
-                if self._check_pipeline():
-                    return  # restarted: the resync carried this batch's content too
+                pass
 
     def _check_pipeline(self) -> bool:
         """Restart the detokenizer/parser pair if either died; True if it did."""
         if all(p.is_alive() for p in self.procs):
             return False
+        t0 = time.monotonic()
         dead = [p.name for p in self.procs if not p.is_alive()]
         self.core.restart_budget.record(" and ".join(dead), "exit code " + ", ".join(
             str(p.exitcode) for p in self.procs if not p.is_alive()))
@@ -152,6 +157,8 @@ class EngineCoreProc:
         self.new_inits = []
         deltas = [self._resend(e) for e in self.live.values()]
         self._send_detok(TokenBatch([e.init for e in self.live.values()], deltas, resync=True))
+        for name in dead:
+            self.core.restart_budget.took(name, time.monotonic() - t0)
         return True
 
     def _resend(self, e: _Live) -> TokenDelta:
@@ -186,6 +193,9 @@ class EngineCoreProc:
             deltas = core.step()
             log.debug("step %.1f ms, %d outputs", (time.perf_counter() - t) * 1e3, len(deltas))
             out = [self._token_delta(d) for d in deltas if d.seq_id in self.live]
+            for d in deltas:
+                if d.error is not None:  # the poison-pill rule ended it: the client hears why
+                    self.push.send(self.tx.encode(RequestError(d.request_id, d.error, d.finish_reason == "timeout")))
             # The counters first: they go straight to the API, the tokens through two more
             # processes, so /metrics already counts a request when its response ends.
             self._send_stats()

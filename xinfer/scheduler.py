@@ -45,6 +45,8 @@ class Sequence:
     num_preemptions: int = 0
     children: list["Sequence"] = field(default_factory=list)  # n > 1 siblings waiting for the prompt
     index: int = 0  # which of its request's n choices
+    strikes: int = 0  # failed steps it was in (a worker crash or a step that raised)
+    error: str | None = None  # why it ended with finish_reason "error"
 
     @property
     def tokens(self) -> list[int]:
@@ -67,6 +69,9 @@ class Scheduler:
         self._dropped: list[int] = []
         self._step = 0
         self.num_preemptions = 0
+        # Sequences that were in a failed step run alone, one at a time, until each has sampled a
+        # token in a step of its own: the one that fails again is the cause (see EngineCore).
+        self.suspects: list[Sequence] = []
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -93,10 +98,18 @@ class Scheduler:
         chunk = self.config.prefill_chunk_size
         scheduled: list[tuple[Sequence, int, list[int]]] = []
         new_seqs: list[NewSeq] = []
+        self.suspects = [s for s in self.suspects if s in self.running or s in self.waiting]
+        alone = self.suspects[0] if self.suspects else None
+        if alone is not None and alone.status == WAITING and self.waiting[0] is not alone:
+            self.waiting.remove(alone)
+            self.waiting.appendleft(alone)
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if alone is not None and seq is not alone:
+                i += 1
+                continue
             n = min(seq.num_tokens - seq.num_computed, chunk, budget)
             new_blocks = self._grow(seq, n)
             while new_blocks is None:  # out of blocks: preempt from the back until this one fits
@@ -113,6 +126,8 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if alone is not None and seq is not alone:
+                break
             # Cached blocks have no logits: a sequence that scores its prompt computes it all.
             matched = not seq.block_ids and seq.params.prompt_logprobs is None
             if matched:
@@ -233,6 +248,8 @@ class Scheduler:
             if seq.first_token_time is None:
                 seq.first_token_time = now
                 self._release_children(seq)
+            if self.suspects and self.suspects[0] is seq:  # it ran alone through a whole step: not the cause
+                self.suspects.pop(0)
             reason = self._stop_reason(seq, tok)
             if reason:
                 self._finish(seq, reason)

@@ -1,7 +1,7 @@
 """The API app: Sanic on uvloop. Validates requests, renders chat templates and tokenizes (in a thread
 pool, never on the event loop), talks to the engine core over ZMQ and streams. Here: the factory, the
 process lifecycle (start, parent watch, signals, drain, stop), the API key and the error answers;
-the routes are in chat, completions, tokenizer and info."""
+the routes are in chat, completions, tokenizer and info, the HTTP-level checks in guard."""
 from __future__ import annotations
 
 import asyncio
@@ -16,7 +16,7 @@ from sanic import Sanic, response
 from sanic.exceptions import SanicException
 
 from xinfer import process
-from xinfer.api import chat, completions, info, tokenizer
+from xinfer.api import chat, completions, guard, info, tokenizer
 from xinfer.api.engine_client import EngineClient
 from xinfer.api.metrics import Metrics
 from xinfer.api.protocol import ApiError
@@ -40,7 +40,6 @@ def create_app(config: EngineConfig, topology: Topology, max_queued_requests: in
     app = Sanic("xinfer", configure_logging=False)  # Sanic's loggers follow --log-level
     # No response timeout cuts a long generation; bodies and headers are kept small.
     app.config.RESPONSE_TIMEOUT = 7 * 24 * 3600
-    app.config.KEEP_ALIVE_TIMEOUT = 75
     app.config.REQUEST_MAX_SIZE = opts.max_request_bytes
     app.config.REQUEST_MAX_HEADER_SIZE = 8192
     s = app.ctx.state = _load_state(config, opts, max_queued_requests)
@@ -99,6 +98,7 @@ def create_app(config: EngineConfig, topology: Topology, max_queued_requests: in
     protected = _key_check(opts.api_key)
     for family in (info, tokenizer, chat, completions):
         family.register(app, s, protected)
+    guard.install(app, opts)  # the keep-alive and request timeouts too
     if ui_port:
         _listen_for_ui(app, ui_port)
     return app
@@ -175,7 +175,8 @@ def _listen_for_ui(app: Sanic, ui_port: int) -> None:
         app.ctx.ui_server = None
         try:
             srv = sanic_serve(host, ui_port, app, loop=asyncio.get_running_loop(), run_async=True,
-                              register_sys_signals=False, connections=set(), signal=Signal())
+                              register_sys_signals=False, connections=set(), signal=Signal(),
+                              protocol=guard.Protocol)
             app.ctx.ui_server = await srv
         except OSError as e:  # the API keeps serving (and its own / still has the page)
             log.error("web chat page: cannot listen on %s:%d: %s", host, ui_port, e)

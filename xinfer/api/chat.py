@@ -1,12 +1,12 @@
 """/v1/chat/completions: the chat template, tool-call and reasoning parsing set up per request."""
 from __future__ import annotations
 
-import asyncio
 import uuid
 
 from sanic import Sanic
 
-from xinfer.api.protocol import chat_text, parse_body, parse_tools, sampling_params
+from xinfer.api.protocol import chat_text, decode, parse_tools, sampling_params
+from xinfer.api.schema import ChatRequest
 from xinfer.api.state import ApiState
 from xinfer.api.streaming import respond
 from xinfer.ipc.text import ParseSpec
@@ -14,19 +14,19 @@ from xinfer.parsers import get_tool_parser, starts_in_reasoning
 
 
 def register(app: Sanic, s: ApiState, protected) -> None:
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", ctx_body=ChatRequest)
     @protected
     async def chat_completions(request):
         s.admit()
-        body = parse_body(request)
-        s.check_model(body.get("model"))
+        body = decode(request.body, ChatRequest)
+        s.check_model(body.model)
         params = sampling_params(body, chat=True, max_n=s.opts.max_n)
-        ids, spec = await asyncio.get_running_loop().run_in_executor(None, _prepare, s, body)
+        ids, spec = await s.offload(_prepare, s, body)
         s.check([ids], params)
         return await respond(s, request, body, [ids], params, spec, chat=True)
 
 
-def _prepare(s: ApiState, body) -> tuple[list[int], ParseSpec]:
+def _prepare(s: ApiState, body: ChatRequest) -> tuple[list[int], ParseSpec]:
     """(prompt ids, what the parser process does with the output) for a chat request."""
     s.need_tokenizer()
     tools, choice = parse_tools(body)

@@ -1,23 +1,23 @@
 """/v1/completions: prompts as text or token ids, several per request."""
 from __future__ import annotations
 
-import asyncio
 
 from sanic import Sanic
 
-from xinfer.api.protocol import completion_prompts, parse_body, sampling_params
+from xinfer.api.protocol import completion_prompts, decode, sampling_params
+from xinfer.api.schema import CompletionRequest
 from xinfer.api.state import ApiState
 from xinfer.api.streaming import respond
 
 
 def register(app: Sanic, s: ApiState, protected) -> None:
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", ctx_body=CompletionRequest)
     @protected
     async def completions(request):
         s.admit()
-        body = parse_body(request)
-        s.check_model(body.get("model"))
+        body = decode(request.body, CompletionRequest)
+        s.check_model(body.model)
         params = sampling_params(body, chat=False, max_n=s.opts.max_n)
-        prompts = await asyncio.get_running_loop().run_in_executor(None, completion_prompts, s.tok, body)
+        prompts = await s.offload(completion_prompts, s.tok, body, s.opts.max_prompts)
         s.check(prompts, params)
         return await respond(s, request, body, prompts, params, None, chat=False)

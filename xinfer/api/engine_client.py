@@ -10,6 +10,7 @@ import zmq.asyncio
 
 from xinfer import process
 from xinfer.api.metrics import Metrics
+from xinfer.api.protocol import ApiError
 from xinfer.errors import InvalidRequestError
 from xinfer.ipc.api import Abort, FromEngine, GenerateRequest, Ready, RequestError, Stats, ToEngine
 from xinfer.ipc.channels import Codec, socket
@@ -48,7 +49,12 @@ class EngineClient:
                 elif isinstance(msg, RequestError):
                     q = self.queues.get(msg.request_id)
                     if q is not None:
-                        q.put_nowait(InvalidRequestError(msg.message))
+                        if msg.retry:  # overloaded (--max-queue-wait), not a bad request
+                            self.metrics.reject("queue_timeout", msg.message)
+                            q.put_nowait(ApiError(f"{msg.message}; retry later", status=503,
+                                                  kind="service_unavailable", retry_after=1))
+                        else:
+                            q.put_nowait(InvalidRequestError(msg.message))
                 elif isinstance(msg, Stats):
                     self.metrics.stats = msg
                 elif isinstance(msg, Ready):

@@ -1,4 +1,5 @@
-"""The routes about the server itself: the chat page, health, metrics, version and the model list."""
+"""The routes about the server itself: the chat page, health, metrics, version, the model list and
+the OpenAPI document."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,6 +7,7 @@ from pathlib import Path
 from sanic import Sanic, response
 
 from xinfer import __version__
+from xinfer.api.schema import openapi
 from xinfer.api.state import ApiState
 
 WEB_PAGE = Path(__file__).parent / "web" / "index.html"
@@ -36,6 +38,13 @@ def register(app: Sanic, s: ApiState, protected) -> None:
     @protected
     async def models(request):
         return response.json({"object": "list", "data": [_model_card(s)]})
+
+    @app.get("/openapi.json")
+    @protected
+    async def openapi_json(request):
+        # Every route the app has, each POST with the struct its handler decodes (the route's ctx.body).
+        routes = [(r.uri, r.methods, getattr(r.ctx, "body", None)) for r in request.app.router.routes]
+        return response.json(openapi(routes, __version__, secured=bool(s.opts.api_key)))
 
     @app.get("/v1/models/<model_id:path>")
     @protected

@@ -2,17 +2,22 @@
 request-level latency histograms measured in the API process."""
 from __future__ import annotations
 
+import logging
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 from xinfer.ipc.api import Stats
+
+log = logging.getLogger("xinfer.api")
 
 _BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 FINISH_REASONS = ("stop", "length", "abort")
+REJECT_REASONS = ("loading", "draining", "full", "queue_timeout")
+CHILDREN = ("xinfer::worker-0", "xinfer::detokenizer", "xinfer::parser")
 
 
 class Metrics:
@@ -36,14 +41,20 @@ class Metrics:
                                            labels, buckets=_TOKEN_BUCKETS, registry=self.registry)
         self.finished = Counter("xinfer:request_success", "Finished requests by finish reason",
                                 labels + ["finished_reason"], registry=self.registry)
-        self.rejected = Counter("xinfer:request_rejected", "Requests refused with 503 (loading, draining, full)",
-                                labels, registry=self.registry)
+        self.rejected = Counter("xinfer:request_rejected", "Requests refused with 503, by reason",
+                                labels + ["reason"], registry=self.registry)
         # Every family is exported before any traffic (dashboards and alerts expect the series).
-        for h in (self.ttft, self.itl, self.e2e, self.queue, self.prompt_tokens, self.generation_tokens,
-                  self.rejected):
+        for h in (self.ttft, self.itl, self.e2e, self.queue, self.prompt_tokens, self.generation_tokens):
             h.labels(model_name)
+        for r in REJECT_REASONS:
+            self.rejected.labels(model_name, r)
         for r in FINISH_REASONS:
             self.finished.labels(model_name, r)
+
+    def reject(self, reason: str, why: str) -> None:
+        """A request refused with 503: counted by reason and logged, one line each."""
+        self.rejected.labels(self.model, reason).inc()
+        log.info("request rejected (%s): %s", reason, why)
 
     def request_done(self, reason: str, prompt_tokens: int, generation_tokens: int, queue_time: float) -> None:
         """One choice finished (each of a request's n choices counts as a request, as in vLLM)."""
@@ -76,6 +87,12 @@ class Metrics:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric(m, value)
             yield c
+        r = SummaryMetricFamily("xinfer:child_restart_seconds", "Time from a child's death to its replacement "
+                                "being up (the worker also reloads the model)", labels=["model_name", "child"])
+        for child in CHILDREN:
+            n, total = next(((n, t) for c, n, t in s.restart_seconds if c == child), (0, 0.0))
+            r.add_metric(m + [child], n, total)
+        yield r
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,9 +1,18 @@
-"""OpenAI request parsing and error bodies."""
+"""OpenAI request parsing and error bodies: a body is decoded once into its struct (schema.py),
+then turned into what the engine and the chat template take."""
 from __future__ import annotations
 
 import json
+import re
 
+import msgspec
+
+from xinfer.api.schema import MAX_DEPTH, Sampling, ThinkingConfig, ToolCall
+from xinfer.loader.tokenizer import TEMPLATE_OWN_NAMES
+from xinfer.parsers.base import too_deep
 from xinfer.sampling_params import SamplingParams
+
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs up to the context
 
 
 class ApiError(Exception):
@@ -17,86 +26,134 @@ class ApiError(Exception):
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
 
 
-def parse_body(request) -> dict:
+# ---- decoding ----
+
+def decode(raw: bytes | None, kind: type):
+    """The body as a `kind` struct, or a 400 whose param is the top-level field at fault (the
+    message names the whole path, e.g. 'messages[0].content')."""
+    raw = raw or b""
+    too_nested = f"request body is nested deeper than {MAX_DEPTH} levels"
     try:
-        body = json.loads(request.body or b"")
-    except ValueError as e:
-        raise ApiError(f"request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise ApiError("request body must be a JSON object")
+        body = msgspec.json.decode(raw, type=kind)
+    except msgspec.ValidationError as e:
+        raise _invalid(str(e)) from None
+    except msgspec.DecodeError as e:
+        raise _lone_surrogate(raw) or ApiError(f"request body is not valid JSON: {e}") from None
+    except RecursionError:  # deeper than msgspec's stack
+        raise ApiError(too_nested) from None
+    if too_deep(raw, MAX_DEPTH):  # what msgspec took into Any fields (tool schemas, template kwargs)
+        raise ApiError(too_nested)
     return body
 
 
-def parse_tools(body: dict) -> tuple[list[dict] | None, str | None]:
-    """The request's tools and what tool_choice asks: None (no parsing), "auto",
-    "required", or a function name."""
-    tools = body.get("tools")
-    choice = body.get("tool_choice")
-    if tools is None:
+def _invalid(msg: str) -> ApiError:
+    what, _, where = msg.partition(" - at ")
+    m = re.search(r"`\$\.?([^`]*)`$", where)
+    path = m.group(1) if m else ""
+    if where.startswith("`key`"):
+        what += " (a key)"
+    if path:
+        return ApiError(f"'{path}': {what}", param=_top(path))
+    missing = re.fullmatch(r"Object missing required field `(\w+)`", what)
+    return ApiError(what if missing else f"request body: {what}", param=missing and missing.group(1))
+
+
+def _top(path: str) -> str:
+    return re.match(r"[^.\[]*", path).group()
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(raw: bytes) -> ApiError | None:
+    """msgspec rejects an unpaired UTF-16 surrogate escape ("\\ud800") as truncated or malformed
+    input: say what it is, and where (Python's json keeps such a surrogate in the string)."""
+    if not _SURROGATE_ESCAPE.search(raw):
+        return None
+    try:
+        todo = [("", json.loads(raw))]
+    except (ValueError, RecursionError):
+        return None
+    while todo:
+        path, v = todo.pop()
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                path = _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", path)  # the path may hold it too
+                msg = f"'{path}'" if path else "request body"
+                return ApiError(f"{msg}: a lone UTF-16 surrogate (\\ud800-\\udfff) is not valid Unicode",
+                                param=_top(path) or None)
+        elif isinstance(v, dict):
+            for k, x in reversed(v.items()):
+                key_path = f"{path}.{k}" if path else k
+                todo.append((key_path, k if _SURROGATE.search(k) else x))  # a bad key: report it as the value
+        elif isinstance(v, list):
+            todo.extend((f"{path}[{i}]", x) for i, x in reversed(list(enumerate(v))))
+    return None
+
+
+# ---- chat: tools and the template ----
+
+def parse_tools(body) -> tuple[list[dict] | None, str | None]:
+    """The request's tools (as the template takes them) and what tool_choice asks: None (no
+    parsing), "auto", "required", or a function name."""
+    choice = body.tool_choice
+    if body.tools is None:
         if choice not in (None, "none", "auto"):
             raise ApiError("'tool_choice' needs 'tools'", param="tool_choice")
         return None, None
-    if not isinstance(tools, list) or not all(
-            isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
-            for t in tools):
-        raise ApiError("'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\": ...}}",
-                       param="tools")
-    names = [t["function"]["name"] for t in tools]
+    tools = msgspec.to_builtins(body.tools)
     if choice is None or choice == "auto":
         return tools, "auto" if tools else None
-    if choice == "none":
-        return tools, None
-    if choice == "required":
-        return tools, "required"
-    if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
-        name = choice["function"].get("name")
-        if name not in names:
-            raise ApiError(f"tool_choice names {name!r}, which is not in 'tools' ({', '.join(names)})",
-                           param="tool_choice")
-        return tools, name
-    raise ApiError("'tool_choice' must be \"none\", \"auto\", \"required\" or "
-                   "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
+    if choice in ("none", "required"):
+        return tools, None if choice == "none" else choice
+    names = [t.function.name for t in body.tools]
+    if choice.function.name not in names:
+        raise ApiError(f"tool_choice names {choice.function.name!r}, which is not in 'tools' ({', '.join(names)})",
+                       param="tool_choice")
+    return tools, choice.function.name
 
 
-def chat_text(tok, body: dict, tools: list[dict] | None, thinking_default: bool, describe_tools: bool = True) -> str:
+def chat_text(tok, body, tools: list[dict] | None, thinking_default: bool, describe_tools: bool = True) -> str:
     """The request's messages rendered by the model's chat template; `describe_tools`: tell a model
     whose template ignores tools about them (not when tool_choice is "none")."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError("'messages' must be a non-empty list", param="messages")
     norm = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ApiError(f"messages[{i}] must be an object with a 'role'", param="messages")
-        content = m.get("content")
+    for i, m in enumerate(body.messages):
+        content = m.content
         if isinstance(content, list):  # content parts: only text is understood by a text model
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise ApiError(f"messages[{i}]: content parts of type {kind!r} are not supported by this "
-                                   "model (text only)", param="messages")
-                texts.append(str(part.get("text", "")))
-            content = "".join(texts)
-        elif content is not None and not isinstance(content, str):
-            raise ApiError(f"messages[{i}].content must be a string or a list of parts", param="messages")
-        msg = {**m, "content": content if content is not None else ""}
-        if m.get("tool_calls") is not None:
-            msg["tool_calls"] = _history_calls(m["tool_calls"], i)
+            bad = next((p.type for p in content if p.type != "text"), None)
+            if bad is not None:
+                raise ApiError(f"messages[{i}]: content parts of type {bad!r} are not supported by this "
+                               "model (text only)", param="messages")
+            content = "".join(p.text or "" for p in content)
+        msg = {**msgspec.to_builtins(m), "content": content or ""}
+        if m.tool_calls:
+            msg["tool_calls"] = _history_calls(m.tool_calls, i)
         norm.append(msg)
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise ApiError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
-    # Names the renderer passes itself (and ones that would switch tokenization) can't be set by a client.
-    kwargs = {k: v for k, v in kwargs.items() if k not in (
-        "messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "tokenize", "add_special_tokens")}
-    thinking = kwargs.pop("enable_thinking", body.get("enable_thinking", body.get("thinking", thinking_default)))
-    if isinstance(thinking, dict):  # {"type": "enabled" | "disabled"}
+    kwargs = _template_kwargs(body.chat_template_kwargs or {})
+    thinking = next((v for v in (kwargs.pop("enable_thinking", None), body.enable_thinking, body.thinking)
+                     if v is not None), thinking_default)
+    if isinstance(thinking, dict):  # {"type": "enabled" | "disabled"}, in chat_template_kwargs
         thinking = thinking.get("type") != "disabled"
+    elif isinstance(thinking, ThinkingConfig):
+        thinking = thinking.type != "disabled"
     kwargs["enable_thinking"] = bool(thinking)
     if tools and describe_tools and "tools" not in (tok.chat_template or ""):
         norm = _describe_tools(norm, tools)
     return tok.apply_chat_template(norm, tools=tools, **kwargs)
+
+
+# Besides the renderer's own names, these would switch how the prompt is tokenized.
+_NOT_TEMPLATE_KWARGS = TEMPLATE_OWN_NAMES | {"tokenize", "add_special_tokens"}
+
+
+def _template_kwargs(kwargs: dict) -> dict:
+    """chat_template_kwargs as template variables: names the server sets itself are dropped (as
+    documented: they can't change the prompt's shape); a key no template can name is a 400."""
+    bad = next((k for k in kwargs if not k.isidentifier()), None)
+    if bad is not None:
+        raise ApiError(f"chat_template_kwargs: {bad!r} is not a template variable name", param="chat_template_kwargs")
+    return {k: v for k, v in kwargs.items() if k not in _NOT_TEMPLATE_KWARGS}
 
 
 def _describe_tools(messages: list[dict], tools: list[dict]) -> list[dict]:
@@ -109,113 +166,87 @@ def _describe_tools(messages: list[dict], tools: list[dict]) -> list[dict]:
     return [{"role": "system", "content": text}] + messages
 
 
-def _history_calls(calls, i) -> list[dict]:
+def _history_calls(calls: list[ToolCall], i: int) -> list[dict]:
     """Assistant tool calls sent back in the history: templates want arguments as objects."""
-    if not isinstance(calls, list):
-        raise ApiError(f"messages[{i}].tool_calls must be a list", param="messages")
     out = []
     for c in calls:
-        fn = c.get("function") if isinstance(c, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise ApiError(f"messages[{i}].tool_calls entries need function.name", param="messages")
-        args = fn.get("arguments", {})
+        args = c.function.arguments
         if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except ValueError:
-                raise ApiError(f"messages[{i}].tool_calls: arguments are not valid JSON", param="messages") from None
-        out.append({**c, "function": {**fn, "arguments": args}, "name": fn["name"], "arguments": args})
+            args = _arguments(args, i)
+        args = {} if args is None else args
+        call = msgspec.to_builtins(c)
+        out.append({**call, "function": {**call["function"], "arguments": args}, "name": c.function.name,
+                    "arguments": args})
     return out
 
 
-def completion_prompts(tok, body: dict) -> list[list[int]]:
-    p = body.get("prompt")
-    if tok is None and (isinstance(p, str) or isinstance(p, list) and p and isinstance(p[0], str)):
-        raise ApiError("this model has no tokenizer: send the prompt as token ids", param="prompt")
+def _arguments(text: str, i: int):
+    if not text.strip():
+        return {}
+    if not too_deep(text, MAX_DEPTH):
+        try:
+            return msgspec.json.decode(text)
+        except (msgspec.DecodeError, RecursionError):
+            pass
+    raise ApiError(f"messages[{i}].tool_calls: arguments are not valid JSON (or nested deeper than {MAX_DEPTH} "
+                   "levels)", param="messages")
+
+
+# ---- completions: prompts ----
+
+def completion_prompts(tok, body, max_prompts: int) -> list[list[int]]:
+    """The prompts as token ids: one string, one token list, or a list of either (up to max_prompts)."""
+    p = body.prompt
     if isinstance(p, str):
-        prompts = [tok.encode(p)]
-    elif isinstance(p, list) and p and all(isinstance(x, int) for x in p):
-        prompts = [p]
-    elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
-        prompts = [tok.encode(x) for x in p]
-    elif isinstance(p, list) and p and all(isinstance(x, list) and x and all(isinstance(t, int) for t in x)
-                                           for x in p):
-        prompts = p
-    else:
+        p = [p]
+    elif p and all(isinstance(x, int) for x in p):
+        p = [p]
+    if not p or not (all(isinstance(x, str) for x in p) or all(isinstance(x, list) and x for x in p)):
         raise ApiError("'prompt' must be a string, a list of strings, a token list or a list of token lists",
                        param="prompt")
-    if body.get("suffix"):
+    if len(p) > max_prompts:
+        raise ApiError(f"'prompt' holds {len(p)} prompts; this server takes up to {max_prompts} per request "
+                       "(--max-prompts-per-request)", param="prompt")
+    if body.suffix:
         raise ApiError("'suffix' is not supported", param="suffix")
-    return prompts  # token ids and lengths are checked with the rest (check_request)
+    if not isinstance(p[0], str):
+        return p  # token ids and lengths are checked with the rest (check_request)
+    if tok is None:
+        raise ApiError("this model has no tokenizer: send the prompt as token ids", param="prompt")
+    return [tok.encode(x) for x in p]
 
 
-_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+# ---- sampling ----
+
+_PASSED = ("n", "min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+           "repetition_penalty", "seed", "stop_token_ids", "ignore_eos", "skip_special_tokens")
 
 
-def sampling_params(body: dict, chat: bool = True, max_n: int = 16) -> SamplingParams:
-    if body.get("stream_options") is not None and not body.get("stream"):
+def sampling_params(body: Sampling, chat: bool = True, max_n: int = 16) -> SamplingParams:
+    """The request's SamplingParams; their values are checked with the rest (check_request)."""
+    if body.stream_options is not None and not body.stream:
         raise ApiError("'stream_options' is only allowed with 'stream': true", param="stream_options")
-    if body.get("n") is not None and isinstance(body["n"], int) and body["n"] > max_n:
-        raise ApiError(f"n must be <= {max_n} on this server, got {body['n']}", param="n")
-    kw = {}
+    if body.n is not None and body.n > max_n:
+        raise ApiError(f"n must be <= {max_n} on this server, got {body.n}", param="n")
+    kw = {name: getattr(body, name) for name in _PASSED if getattr(body, name) is not None}
     if chat:
-        top = body.get("top_logprobs")
-        if top is not None:
-            top = _num(body, "top_logprobs", int)
-            if not 0 <= top <= 20:
-                raise ApiError(f"top_logprobs must be in [0, 20], got {top}", param="top_logprobs")
-            if not body.get("logprobs"):
-                raise ApiError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-        if body.get("logprobs"):
-            kw["logprobs"] = top or 0
-    elif body.get("logprobs") is not None:
-        kw["logprobs"] = _num(body, "logprobs", int)
-        if not 0 <= kw["logprobs"] <= 20:
-            raise ApiError(f"logprobs must be in [0, 20], got {kw['logprobs']}", param="logprobs")
-        if body.get("echo"):
-            kw["prompt_logprobs"] = kw["logprobs"]
-    if body.get("prompt_logprobs") is not None:
-        kw["prompt_logprobs"] = _num(body, "prompt_logprobs", int)
-    if body.get("skip_special_tokens") is not None:
-        kw["skip_special_tokens"] = bool(body["skip_special_tokens"])
-    for name in _FLOATS:
-        if body.get(name) is not None:
-            kw[name] = _num(body, name, float)
-    for name in ("n", "top_k", "min_tokens", "seed"):
-        if body.get(name) is not None:
-            kw[name] = _num(body, name, int)
-    mt = body.get("max_completion_tokens", body.get("max_tokens"))
-    if mt is not None:
-        kw["max_tokens"] = _num({"max_tokens": mt}, "max_tokens", int)
-    else:
-        kw["max_tokens"] = None
-    stop = body.get("stop")
-    if stop is not None:
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise ApiError("'stop' must be a string or a list of strings", param="stop")
-        kw["stop"] = stop
-    if body.get("stop_token_ids"):
-        ids = body["stop_token_ids"]
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ApiError("'stop_token_ids' must be a list of token ids", param="stop_token_ids")
-        kw["stop_token_ids"] = ids
-    if body.get("ignore_eos") is not None:
-        kw["ignore_eos"] = bool(body["ignore_eos"])
-    if body.get("logit_bias"):
-        try:
-            kw["logit_bias"] = {int(k): float(v) for k, v in body["logit_bias"].items()}
-        except (ValueError, AttributeError, TypeError, OverflowError):
-            raise ApiError("'logit_bias' must map token ids to numbers", param="logit_bias") from None
-    return SamplingParams(**kw)  # its values are checked with the rest (check_request)
-
-
-def _num(body, name, kind):
-    v = body[name]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
-        raise ApiError(f"'{name}' must be {'an integer' if kind is int else 'a number'}", param=name)
-    return kind(v)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        if body.logprobs:
+            kw["logprobs"] = body.top_logprobs or 0
+    elif body.logprobs is not None:
+        kw["logprobs"] = body.logprobs
+        if body.echo:
+            kw["prompt_logprobs"] = body.logprobs
+    if body.prompt_logprobs is not None:
+        kw["prompt_logprobs"] = body.prompt_logprobs
+    mt = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    kw["max_tokens"] = mt if mt is not None else None if chat else COMPLETION_MAX_TOKENS
+    if body.stop is not None:
+        kw["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
+    if body.logit_bias:
+        kw["logit_bias"] = body.logit_bias
+    return SamplingParams(**kw)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached: int, reasoning: int = 0) -> dict:

@@ -6,6 +6,7 @@ import os
 import shutil
 
 from xinfer import process
+from xinfer.api import guard
 from xinfer.api.app import create_app
 from xinfer.config import EngineConfig
 from xinfer.ipc.topology import Topology
@@ -31,7 +32,8 @@ def serve(config: EngineConfig, topology: Topology, host: str, port: int, log_le
         raise SystemExit(1)
     log.info("serving %s on http://%s:%d", config.model or "the bundled SmolLM2-135M-Instruct", host, port)
     try:
-        app.run(host=host, port=port, single_process=True, access_log=False, motd=False)
+        app.run(host=host, port=port, single_process=True, access_log=False, motd=False,
+                protocol=guard.Protocol)  # its read deadline: see guard
     except OSError as e:  # the port is taken
         process.failed(name, f"cannot listen on {host}:{port}: {e.strerror or e}")
         raise SystemExit(1)

@@ -2,7 +2,10 @@
 and the checks every generation route makes before it queues work (admission, model name, room)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from xinfer.api.engine_client import EngineClient
 from xinfer.api.metrics import Metrics
@@ -12,15 +15,26 @@ from xinfer.config import EngineConfig
 from xinfer.sampling_params import check_request
 
 
+HEAVY_JOBS = max(2, os.cpu_count() or 2)
+_HEAVY = ThreadPoolExecutor(HEAVY_JOBS, thread_name_prefix="xinfer-heavy")
+
+
 @dataclass
 class ApiOptions:
     """`xinfer serve` flags of the API process (the engine's are in EngineConfig)."""
     api_key: str | None = None  # when set, every route but /, /health and /metrics needs it
     max_n: int = 16
+    max_prompts: int = 256  # prompts in one /v1/completions request
     max_request_bytes: int = 8 << 20
     enforce_parser: str | None = None  # tool-call parser; None: chosen from the model
     disable_reasoning: bool = False  # the default of a request's `thinking` flag
     keepalive_s: float = 15.0  # SSE comment after this long without output
+    # HTTP-level limits (xinfer/api/guard.py)
+    allowed_hosts: list[str] | None = None  # None: loopback names when bound to loopback, else any
+    allowed_origins: list[str] = field(default_factory=list)  # cross-origin pages allowed to POST ("*": any)
+    keep_alive_timeout: float = 5.0  # an idle connection is closed after this long
+    request_read_timeout: float = 30.0  # a request's head and body must arrive within this
+    max_connections_per_client: int | None = None  # None: 64 per address, loopback not counted; 0: no cap
 
 
 @dataclass
@@ -42,16 +56,21 @@ class ApiState:
     draining: bool = False
     launched: bool = False  # under the supervisor: its SIGUSR1 says every process is ready
 
+    async def offload(self, fn, *args):
+        """Run heavy work (templates, tokenizing, large responses) off the event loop, at most
+        HEAVY_JOBS at once: /health and the streams keep answering while a huge prompt is tokenized."""
+        return await asyncio.get_running_loop().run_in_executor(_HEAVY, fn, *args)
+
     def admit(self) -> None:
         """503 with Retry-After while loading, draining or past the queue limit."""
         c = self.client
         if c.ready is None or c.dead or self.draining or not self.launched:
-            why, retry = ("shutting down" if self.draining else "not ready"), 5
+            reason, why, retry = ("draining", "shutting down", 5) if self.draining else ("loading", "not ready", 5)
         elif len(c.queues) >= self.config.max_num_seqs + self.max_queued_requests:
-            why, retry = f"full: too many requests queued (limit {self.max_queued_requests})", 1
+            reason, why, retry = "full", f"full: too many requests queued (limit {self.max_queued_requests})", 1
         else:
             return
-        self.metrics.rejected.labels(self.model_name).inc()
+        self.metrics.reject(reason, why)
         raise ApiError(f"the server is {why}; retry later", status=503, kind="service_unavailable",
                        retry_after=retry)
 

@@ -16,6 +16,7 @@ from xinfer.api.protocol import ApiError, usage
 from xinfer.api.responses import (ChoiceState, chat_delta, chat_logprobs, completion_logprobs,
                                   merge_completion_logprobs)
 from xinfer.api.state import ApiState
+from xinfer.errors import InvalidRequestError
 from xinfer.ipc.step import unpack_ids
 
 log = logging.getLogger("xinfer.api")
@@ -54,8 +55,7 @@ async def _reasoning_tokens(s: ApiState, states) -> int:
     texts = ["".join(st.reasoning) for st in states]
     if not any(texts):
         return 0
-    return await asyncio.get_running_loop().run_in_executor(
-        None, lambda: sum(len(s.tok.encode(t, add_special_tokens=False)) for t in texts if t))
+    return await s.offload(lambda: sum(len(s.tok.encode(t, add_special_tokens=False)) for t in texts if t))
 
 
 async def _usage(s: ApiState, prompts, n, states) -> dict:
@@ -181,8 +181,9 @@ async def _stream(s: ApiState, request, rid, base, prompts, params, spec, chat, 
                                  "finish_reason": st.finish_reason} for i, st in enumerate(states)])
     except Exception as e:  # the stream has started: report in-band, then end it
         log.warning("stream %s failed: %s", rid, e)
-        await resp.send("data: " + _dumps({"error": ApiError(str(e), status=500, kind="server_error")
-                                           .body()["error"]}) + "\n\n")
+        err = e if isinstance(e, ApiError) else ApiError(str(e), status=400, param=e.param, code=e.code) \
+            if isinstance(e, InvalidRequestError) else ApiError(str(e), status=500, kind="server_error")
+        await resp.send("data: " + _dumps({"error": err.body()["error"]}) + "\n\n")
     await resp.send("data: [DONE]\n\n")
     await resp.eof()
 

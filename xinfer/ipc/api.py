@@ -37,11 +37,13 @@ class Stats(msgspec.Struct, array_like=True, tag="stats"):
     prefix_cache_hit_tokens: int
     preemptions: int
     worker_restarts: int
+    restart_seconds: list[tuple[str, int, float]] = []  # per child: (restarts, seconds they took in all)
 
 
 class RequestError(msgspec.Struct, array_like=True, tag="err"):
     request_id: str
     message: str
+    retry: bool = False  # the engine is overloaded, not the request wrong: 503 + Retry-After
 
 
 ToEngine = GenerateRequest | Abort

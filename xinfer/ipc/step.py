@@ -51,3 +51,4 @@ class StepResult(msgspec.Struct, array_like=True, tag="result"):
     logprobs: list[tuple[float, list[tuple[int, float]]] | None] = []
     # Prompt logprobs computed this step: (seq id, position of the first scored token, entries)
     prompt_logprobs: list[tuple[int, int, list[tuple[float, list[tuple[int, float]]]]]] = []
+    error: str | None = None  # the step raised: nothing was computed, the worker's batch is cleared

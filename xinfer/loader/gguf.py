@@ -1,6 +1,6 @@
 """GGUF (llama.cpp) checkpoints: an HF-style config, HF-named float32 tensors and a tokenizer.
 
-The file is memory-mapped by gguf.GGUFReader; tensors are dequantized one at a time, with
+The file is memory-mapped (xinfer/loader/gguf_file.py); tensors are dequantized one at a time, with
 what llama.cpp's convert_hf_to_gguf.py changed undone (llama Q/K row permutation, Gemma's
 norm offset), so they equal the original Hugging Face weights up to quantization error.
 """
@@ -12,11 +12,12 @@ import re
 from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
-from gguf import GGUFReader, TokenType
+from gguf import TokenType
 from gguf.quants import dequantize
 from tokenizers import Tokenizer, processors
 
 from xinfer.errors import ModelLoadError
+from xinfer.loader.gguf_file import GGUFFile
 from xinfer.loader.gguf_tokenizer import add_special_tokens, byte_level_tokenizer, sentencepiece_tokenizer
 
 if TYPE_CHECKING:
@@ -111,12 +112,12 @@ class GGUFModel:
     # ---- metadata and config
 
     def _meta(self, key: str, default=_REQUIRED):
-        field = self._reader.fields.get(key)
-        if field is None:
+        value = self._reader.fields.get(key)
+        if value is None:
             if default is _REQUIRED:
                 raise ModelLoadError(f"GGUF file {self.path} lacks metadata key {key!r}")
             return default
-        return field.contents()
+        return value
 
     def _build_config(self) -> dict:
         a = self.arch + "."
@@ -287,20 +288,7 @@ def load_gguf(path: str) -> GGUFModel:
     return GGUFModel(path)
 
 
-class _Reader(GGUFReader):
-    """GGUFReader parsing through a plain ndarray view of its memory map: numpy.memmap's per-slice
-    bookkeeping makes reading a large vocabulary ~4x slower. Tensor data stays memory-mapped."""
-
-    @property
-    def data(self) -> np.ndarray:
-        return self._array
-
-    @data.setter
-    def data(self, mm: np.memmap) -> None:
-        self._array = mm.view(np.ndarray)
-
-
-def _open_reader(path: str) -> GGUFReader:
+def _open_reader(path: str) -> GGUFFile:
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -310,14 +298,11 @@ def _open_reader(path: str) -> GGUFReader:
     if magic != b"GGUF":
         raise ModelLoadError(f"{path} is not a GGUF file (starts with {magic!r}, expected b'GGUF')")
     try:
-        reader = _Reader(path)
-    except Exception as e:  # the reader fails in many ways when the file ends early or is damaged
+        return GGUFFile(path)
+    except EOFError as e:
+        raise ModelLoadError(f"truncated GGUF file {path}: {e}") from None
+    except Exception as e:  # a file that ends early or is damaged fails in many ways
         raise ModelLoadError(f"truncated or corrupt GGUF file {path} ({size} bytes): {e}") from None
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size:
-            raise ModelLoadError(f"truncated GGUF file {path}: tensor {t.name} ends at byte "
-                                 f"{t.data_offset + t.n_bytes} but the file has {size} bytes")
-    return reader
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:

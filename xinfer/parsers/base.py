@@ -36,6 +36,32 @@ log = logging.getLogger("xinfer.parsers")
 
 WS = " \t\r\n"
 _CALL_KEYS = {"name", "arguments", "parameters", "type", "id"}
+MAX_DEPTH = 64  # model JSON nested deeper is no call: json.loads/dumps would exhaust Python's stack
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_TO_BRACKETS = bytes.maketrans(b"{}", b"[]")
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
+
+
+def too_deep(text: str | bytes, limit: int = MAX_DEPTH) -> bool:
+    """Whether JSON text nests arrays and objects deeper than `limit` (text that is not JSON
+    may count as deep). A few passes in C, none per character in Python."""
+    raw = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    brackets = _JSON_STRING.sub(b"", raw).translate(_TO_BRACKETS, _NOT_BRACKETS)
+    for _ in range(limit):  # each pass drops the innermost level
+        if not brackets:
+            return False
+        brackets = brackets.replace(b"[]", b"")
+    return bool(brackets)
+
+
+def load_json(text: str):
+    """json.loads for model output: ValueError also when it is nested too deep."""
+    if too_deep(text):
+        raise ValueError(f"JSON nested deeper than {MAX_DEPTH} levels")
+    return json.loads(text)
 
 
 def calls_from(value):
@@ -57,7 +83,7 @@ def call_from(obj) -> tuple[str, dict] | None:
         args = {}
     if isinstance(args, str):  # some models send the arguments already encoded
         try:
-            args = json.loads(args) if args.strip() else {}
+            args = load_json(args) if args.strip() else {}
         except ValueError:
             return None
     return (obj["name"], args) if isinstance(args, dict) else None
@@ -252,7 +278,7 @@ class ToolParser:
         if end < 0:
             return (len(buf), _BAD) if final else None
         try:
-            return end, json.loads(buf[i:end])
+            return end, load_json(buf[i:end])
         except ValueError:
             return end, _BAD
 

@@ -61,9 +61,22 @@ def parse_batch(batch: TextBatch, states: dict) -> TextBatch:
         key = (d.request_id, d.index)
         p = states.get(key)
         if p is not None:
-            d.offset, d.text, d.reasoning_offset, d.reasoning, d.tool_calls = p.feed(d.text, d.finish_reason
-                                                                                   is not None)
-            if d.finish_reason:
+            final = d.finish_reason is not None
+            try:
+                d.offset, d.text, d.reasoning_offset, d.reasoning, d.tool_calls = p.feed(d.text, final)
+            except Exception as e:  # a parser bug must not end the process (or loop on every resync)
+                log.warning("parser failed on %s (%s: %s); its text goes on as plain content", d.request_id,
+                            type(e).__name__, e)
+                states[key] = p = _plain_after(p)
+                d.offset, d.text, d.reasoning_offset, d.reasoning, d.tool_calls = p.feed(d.text, final)
+            if final:
                 del states[key]
         items.append(d)
     return TextBatch(items)
+
+
+def _plain_after(failed: ChoiceParser) -> ChoiceParser:
+    """A pass-through parser that continues the failed one's offsets."""
+    p = ChoiceParser(ParseSpec())
+    p.content_sent, p.reasoning_sent = failed.content_sent, failed.reasoning_sent
+    return p

@@ -1,9 +1,8 @@
 """DeepSeek-V3 / V3.1 tool calls."""
 from __future__ import annotations
 
-import json
 
-from xinfer.parsers.base import ToolParser, register
+from xinfer.parsers.base import ToolParser, load_json, register
 
 
 def _load_args(text: str) -> dict | None:
@@ -16,7 +15,7 @@ def _load_args(text: str) -> dict | None:
     if not text.strip():
         return {}
     try:
-        args = json.loads(text)
+        args = load_json(text)
     except ValueError:
         return None
     return args if isinstance(args, dict) else None

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from xinfer.parsers.base import ToolParser, call_from, register, skip_ws
+from xinfer.parsers.base import ToolParser, call_from, register, skip_ws, too_deep
 
 
 @register
@@ -21,6 +21,8 @@ class QwenToolParser(ToolParser):
         return n, (None if body is None else self._parse(body))
 
     def _parse(self, body: str):
+        if too_deep(body):
+            return None
         calls, i, dec = [], skip_ws(body, 0), json.JSONDecoder()
         while i < len(body):  # usually one object; tolerate several in one block
             try:

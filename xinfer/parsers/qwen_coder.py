@@ -5,7 +5,7 @@ import ast
 import json
 import re
 
-from xinfer.parsers.base import register
+from xinfer.parsers.base import load_json, register
 from xinfer.parsers.qwen import QwenToolParser
 
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|\Z)", re.DOTALL)
@@ -33,7 +33,7 @@ def _convert(value: str, schema) -> object:
                 return None
             elif t in ("object", "array"):
                 try:
-                    v = json.loads(text)
+                    v = load_json(text)
                 except ValueError:
                     v = ast.literal_eval(text)  # models sometimes write Python literals here
                 if isinstance(v, dict if t == "object" else list):

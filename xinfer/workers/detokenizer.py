@@ -11,19 +11,18 @@ from xinfer.ipc.channels import Codec, socket
 from xinfer.ipc.step import unpack_ids
 from xinfer.ipc.text import ParseInit, StopHit, TextBatch, TextDelta, TokenBatch
 from xinfer.ipc.topology import Topology
-from xinfer.loader import load_model_info
+from xinfer.loader.tokenizer import Tokenizer
 
 log = logging.getLogger("xinfer.detokenizer")
 
 
-def run_detokenizer(model: str | None, load_format: str, topology: Topology, gen: int, log_level: str,
-                    parent: int) -> None:
-    process.run_process("xinfer::detokenizer", log_level, _main, model, load_format, topology, gen, parent,
-                        parent=parent)
+def run_detokenizer(tokenizer: tuple, topology: Topology, gen: int, log_level: str, parent: int) -> None:
+    """`tokenizer`: Tokenizer.to_spec() of the engine core's (a restart needs no model re-read)."""
+    process.run_process("xinfer::detokenizer", log_level, _main, tokenizer, topology, gen, parent, parent=parent)
 
 
-def _main(model, load_format, topology: Topology, gen: int, parent: int) -> None:
-    tok = load_model_info(model, load_format).tokenizer
+def _main(tokenizer: tuple, topology: Topology, gen: int, parent: int) -> None:
+    tok = Tokenizer.from_spec(tokenizer) if tokenizer is not None else None
     ctx = zmq.Context()
     pull = socket(ctx, zmq.PULL, topology.to_detokenizer(gen), bind=False)
     push = socket(ctx, zmq.PUSH, topology.to_parser(gen), bind=False)
@@ -47,13 +46,19 @@ def _main(model, load_format, topology: Topology, gen: int, parent: int) -> None
             ids = unpack_ids(d.token_ids)
             count[0] += len(ids)
             offset = det.sent
-            text = det.add(ids)
-            reason = d.finish_reason
-            if det.stopped is not None and reason is None:
-                stops.send(tx.encode(StopHit(d.seq_id)))
-                reason = "stop"
+            try:
+                text = det.add(ids)
+                reason = d.finish_reason
+                if det.stopped is not None and reason is None:
+                    stops.send(tx.encode(StopHit(d.seq_id)))
+                    reason = "stop"
+                if reason:
+                    text += det.flush()
+            except Exception as e:  # one sequence's bad tokens must not end the process for all
+                log.warning("detokenizing %s failed: %s: %s; ending it", rid, type(e).__name__, e)
+                stops.send(tx.encode(StopHit(d.seq_id)))  # frees it in the engine core
+                text, reason = "", "error"
             if reason:
-                text += det.flush()
                 del seqs[d.seq_id]
             if text or reason or d.logprobs or d.prompt_logprobs:
                 out.append(TextDelta(rid, index, offset, text, count[0], reason, d.num_cached_tokens, d.logprobs,

@@ -104,8 +104,20 @@ class ModelRunner:
             if s.new_block_ids:
                 self.seqs[s.seq_id].block_ids.extend(s.new_block_ids)
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        """One step; a step that raises (a bug, or input nothing caught before) clears the batch and
+        says so in the result instead of taking the worker down."""
+        try:
+            return self._execute(plan)
+        except Exception as e:
+            log.warning("step %d failed: %s: %s", plan.step_id, type(e).__name__, e)
+            log.debug("step failure", exc_info=True)
+            set_context(None)
+            self.seqs.clear()
+            return StepResult(plan.step_id, [], b"", error=f"{type(e).__name__}: {e}")
+
+    @torch.inference_mode()
+    def _execute(self, plan: StepPlan) -> StepResult:
         self._apply(plan)
         if not plan.scheduled:
             return StepResult(plan.step_id, [], b"")

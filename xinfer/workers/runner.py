@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from typing import Protocol
 
 from xinfer.errors import XinferError
 from xinfer.ipc.step import StepPlan, StepResult
+
+log = logging.getLogger("xinfer.engine_core")
 
 
 class WorkerDied(RuntimeError):
@@ -22,7 +25,8 @@ class Runner(Protocol):
     restarts: int
 
     def execute(self, plan: StepPlan) -> StepResult:
-        """Run one step; raises WorkerDied if the model is gone (the core recomputes)."""
+        """Run one step; raises WorkerDied if the model is gone. A step that raised comes back with
+        `error` set and the runner's batch cleared."""
 
     def restart(self) -> None:
         """A fresh model state (same KV cache size); raises WorkerDied if it cannot start."""
@@ -40,6 +44,13 @@ class RestartBudget:
     def __init__(self, max_restarts: int, window: float):
         self.max, self.window = max_restarts, window
         self.times: collections.deque[float] = collections.deque()
+        self.seconds: dict[str, tuple[int, float]] = {}  # child -> (restarts, seconds they took in all)
+
+    def took(self, child: str, seconds: float) -> None:
+        """A restart is done: from noticing the death to the new child being up."""
+        n, total = self.seconds.get(child, (0, 0.0))
+        self.seconds[child] = (n + 1, total + seconds)
+        log.info("%s restarted in %.2fs", child, seconds)
 
     def record(self, child: str, why: str) -> None:
         now = time.monotonic()

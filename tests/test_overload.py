@@ -1,0 +1,55 @@
+"""Queue limits in time: with one running slot and --max-queue-wait 1, requests that wait longer
+are refused with 503 + Retry-After (streaming: an error event), counted by reason."""
+import concurrent.futures as cf
+import time
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.conftest import start_server, stop_server
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, base, _ = start_server("--kv-cache-gb", "0.2", "--max-num-seqs", "1", "--max-queue-wait", "1")
+    yield base
+    stop_server(proc)
+
+
+def _post(base, body):
+    req = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read().decode(), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(), dict(e.headers)
+
+
+def test_requests_that_wait_too_long_get_503(server):
+    long = {"messages": [{"role": "user", "content": "Tell a long story"}], "max_tokens": 400,
+            "ignore_eos": True, "temperature": 0}
+    short = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    with cf.ThreadPoolExecutor(3) as pool:
+        first = pool.submit(_post, server, long)
+
+        time.sleep(0.5)  # the long one holds the only slot
+        waiting = pool.submit(_post, server, short)
+        streamed = pool.submit(_post, server, {**short, "stream": True})
+        status, body, headers = waiting.result()
+        assert status == 503 and headers.get("Retry-After") == "1", body
+        err = json.loads(body)["error"]
+        assert err["type"] == "service_unavailable" and "waited over 1s" in err["message"]
+        s_status, s_body, _ = streamed.result()
+        events = [ln[6:] for ln in s_body.splitlines() if ln.startswith("data: ")]
+        assert s_status == 200 and events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["type"] == "service_unavailable"
+        assert first.result()[0] == 200  # the running request is untouched
+    assert _post(server, short)[0] == 200
+    with urllib.request.urlopen(server + "/metrics") as r:
+        metrics = r.read().decode()
+    line = next(ln for ln in metrics.splitlines()
+                if ln.startswith("xinfer:request_rejected_total") and 'reason="queue_timeout"' in ln)
+    assert float(line.split()[-1]) == 2.0

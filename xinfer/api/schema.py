@@ -1,0 +1,229 @@
+"""The bodies of the POST routes as msgspec structs, with a bound on every field: each body is
+decoded once from the raw bytes into one of these (protocol.decode), so a value the rest of the
+API was not written for is a 400 here. The same structs make /openapi.json (`openapi`).
+
+The numeric bounds mirror SamplingParams.validate, which still runs on every request
+(check_request); the limits that are server flags (--max-n, --max-prompts-per-request) and the
+nesting depth are checked right after decoding (protocol)."""
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+MAX_DEPTH = 64  # arrays/objects in a body: templates, tojson and json.dumps recurse over them
+MAX_MESSAGES = 4096
+MAX_TOOLS = 128  # also tool calls per history message
+MAX_STOP = 16
+MAX_TOKEN_MAP = 1024  # logit_bias keys, stop_token_ids
+
+I64_MIN, I64_MAX = -(2**63), 2**63 - 1  # integers travel as int64 (msgspec frames, torch tensors)
+
+Int64 = Annotated[int, Meta(ge=I64_MIN, le=I64_MAX)]
+Count = Annotated[int, Meta(ge=0, le=I64_MAX)]
+TokenId = Annotated[int, Meta(ge=0, le=I64_MAX)]  # the vocabulary bound comes with check_request
+TopN = Annotated[int, Meta(ge=0, le=20)]
+Penalty = Annotated[float, Meta(ge=-2, le=2)]
+Probability = Annotated[float, Meta(ge=0, le=1)]
+LogitBias = Annotated[
+    dict[TokenId, Annotated[float, Meta(ge=-100, le=100)]],
+    Meta(max_length=MAX_TOKEN_MAP, extra_json_schema={"propertyNames": {"pattern": "^(0|[1-9][0-9]{0,17})$"}})]
+Stop = str | Annotated[list[str], Meta(max_length=MAX_STOP)]
+StopTokenIds = Annotated[list[TokenId], Meta(max_length=MAX_TOKEN_MAP)]
+
+
+class Body(Struct, kw_only=True):
+    """Fields every body may carry."""
+    model: str | None = None
+
+    def get(self, name: str, default=None):
+        """A field as plain JSON values, for code that reads a body like a dict (streaming.py)."""
+        v = getattr(self, name, default)
+        return msgspec.to_builtins(v) if isinstance(v, (Struct, list, dict)) else v
+
+    __getitem__ = get
+
+
+# ---- messages and tools: what a chat template sees ----
+# Fields only passed through to the template are UNSET when absent, so the template sees the
+# message as sent (to_builtins leaves UNSET out).
+
+class ContentPart(Struct, kw_only=True):
+    type: str  # only "text" is understood by a text model: the rest are a 400 with their type
+    text: str | None = None
+
+
+class FunctionCall(Struct, kw_only=True):
+    name: str
+    arguments: str | dict[str, Any] | None = None  # a JSON string (OpenAI) or already an object
+
+
+class ToolCall(Struct, kw_only=True):
+    function: FunctionCall
+    id: str | None | UnsetType = UNSET
+    type: str | UnsetType = UNSET
+
+
+class Message(Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    tool_calls: Annotated[list[ToolCall], Meta(max_length=MAX_TOOLS)] | None | UnsetType = UNSET
+    name: str | None | UnsetType = UNSET
+    tool_call_id: str | None | UnsetType = UNSET
+    reasoning_content: str | None | UnsetType = UNSET
+
+
+class Function(Struct, kw_only=True):
+    name: str
+    description: str | None | UnsetType = UNSET
+    parameters: dict[str, Any] | None | UnsetType = UNSET
+    strict: bool | None | UnsetType = UNSET
+
+
+class Tool(Struct, kw_only=True):
+    function: Function
+    type: str = "function"
+
+
+class NamedFunction(Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(Struct, kw_only=True):
+    function: NamedFunction
+    type: str = "function"
+
+
+class ThinkingConfig(Struct, kw_only=True):
+    type: str  # "enabled" | "disabled" (anything but "disabled" thinks)
+
+
+Messages = Annotated[list[Message], Meta(min_length=1, max_length=MAX_MESSAGES)]
+Tools = Annotated[list[Tool], Meta(max_length=MAX_TOOLS)]
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+Thinking = bool | ThinkingConfig
+TemplateKwargs = dict[str, Any]  # keys are checked by protocol.chat_text
+
+
+class StreamOptions(Struct, kw_only=True):
+    include_usage: bool | None = None
+
+
+# ---- the route bodies ----
+
+class Sampling(Body, kw_only=True):
+    """The fields /v1/chat/completions and /v1/completions share."""
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, Meta(ge=1, le=I64_MAX)] | None = None  # and <= --max-n
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
+    min_tokens: Count | None = None
+    temperature: Annotated[float, Meta(ge=0, le=100)] | None = None
+    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=I64_MAX)] | None = None
+    min_p: Probability | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0, le=2)] | None = None
+    logit_bias: LogitBias | None = None
+    seed: Int64 | None = None
+    stop: Stop | None = None
+    stop_token_ids: StopTokenIds | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    prompt_logprobs: TopN | None = None
+
+
+class ChatRequest(Sampling, kw_only=True):
+    messages: Messages
+    tools: Tools | None = None
+    tool_choice: ToolChoice | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
+    thinking: Thinking | None = None
+    enable_thinking: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: TopN | None = None  # needs logprobs: true
+
+
+Prompt = str | list[str | TokenId | list[TokenId]]  # one list form per request (protocol); count <= the flag
+
+
+class CompletionRequest(Sampling, kw_only=True):
+    prompt: Prompt
+    echo: bool | None = None
+    logprobs: TopN | None = None
+    suffix: str | None = None  # not supported: a 400 when set
+
+
+class TokenizeRequest(Body, kw_only=True):
+    prompt: str | None = None
+    messages: Messages | None = None  # rendered as chat does
+    tools: Tools | None = None
+    tool_choice: ToolChoice | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
+    thinking: Thinking | None = None
+    enable_thinking: bool | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
+    return_token_strs: bool | None = None
+
+
+class DetokenizeRequest(Body, kw_only=True):
+    tokens: list[TokenId]
+    skip_special_tokens: bool = True
+
+
+class ErrorDetail(Struct, kw_only=True):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class Error(Struct, kw_only=True):
+    error: ErrorDetail
+
+
+# ---- /openapi.json ----
+
+def openapi(routes, version: str, secured: bool) -> dict:
+    """An OpenAPI 3.1 document of `routes`: (path, methods, body struct or None). Each request
+    schema is written out whole (no $ref), so a JSON-schema tool can take it as it is."""
+    bodies = sorted({b for _, _, b in routes if b is not None}, key=lambda t: t.__name__)
+    _, components = msgspec.json.schema_components(bodies + [Error], ref_template="#/components/schemas/{name}")
+    error = {"description": "an OpenAI-style error",
+             "content": {"application/json": {"schema": _inline(components["Error"], components)}}}
+    paths: dict = {}
+    for path, methods, body in sorted(routes, key=lambda r: r[0]):
+        path = re.sub(r"<(\w+)(?::[^>]*)?>", r"{\1}", path)
+        for method in sorted(m.lower() for m in methods):
+            op = {"operationId": method + re.sub(r"\W+", "_", path).rstrip("_"),
+                  "responses": {"200": {"description": "OK"}, "default": error}}
+            params = re.findall(r"{(\w+)}", path)
+            if params:
+                op["parameters"] = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}}
+                                    for p in params]
+            if body is not None:
+                op["requestBody"] = {"required": True, "content": {"application/json": {
+                    "schema": _inline(components[body.__name__], components)}}}
+            paths.setdefault(path, {})[method] = op
+    doc = {"openapi": "3.1.0", "info": {"title": "xinfer", "version": version}, "paths": paths,
+           "components": {"schemas": components}}
+    if secured:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        doc["security"] = [{"bearer": []}]
+    return doc
+
+
+def _inline(schema, components):
+    """`schema` with every $ref replaced by its component (the structs have no cycles)."""
+    if isinstance(schema, dict):
+        ref = schema.get("$ref")
+        if ref is not None:
+            return _inline(components[ref.rsplit("/", 1)[1]], components)
+        return {k: _inline(v, components) for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_inline(v, components) for v in schema]
+    return schema
