@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bench import cmd_compare, cmd_curve, cmd_offline, cmd_serve, cmd_soak
+from bench import cmd_compare, cmd_curve, cmd_fuzz, cmd_offline, cmd_serve, cmd_soak
 from bench.common import load_scenario
 from xinfer.cli import add_engine_args
 
@@ -97,6 +97,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                    help="fail when the server's memory grows more than this after warming up")
     k.add_argument("--max-error-rate", type=float, default=0.01, help="fail above this share of failed requests")
     k.set_defaults(func=cmd_soak.run, duration=600.0, concurrency=8)
+
+    f = subs["fuzz"] = sub.add_parser("fuzz", help="property-based fuzz of a server's POST routes from its "
+                                      "/openapi.json: fails on a 5xx, a hang or a dropped connection")
+    f.add_argument("--base-url", default=DEFAULT_URL, help="the server's OpenAI base URL")
+    f.add_argument("--examples", type=int, default=1000, help="bodies per route and source (schema, any JSON)")
+    f.add_argument("--timeout", type=float, default=10.0, help="seconds a request may take")
+    f.add_argument("--seed", type=int, default=0)
+    f.set_defaults(func=cmd_fuzz.run)
 
     o = subs["offline"] = sub.add_parser("offline", help="in-process Engine throughput, no HTTP")
     # The engine's own flags, one per EngineConfig field, so bench never lags behind xinfer's; its

@@ -53,3 +53,24 @@ def test_requests_that_wait_too_long_get_503(server):
     line = next(ln for ln in metrics.splitlines()
                 if ln.startswith("xinfer:request_rejected_total") and 'reason="queue_timeout"' in ln)
     assert float(line.split()[-1]) == 2.0
+
+
+def test_request_timeout_ends_a_long_request_with_408():
+    proc, base, _ = start_server("--kv-cache-gb", "0.1", "--request-timeout", "1")
+    try:
+        long = {"messages": [{"role": "user", "content": "Tell a long story"}], "max_tokens": 1000,
+                "ignore_eos": True}
+        status, body, _ = _post(base, long)
+        err = json.loads(body)["error"]
+        assert status == 408 and err["code"] == "request_timeout" and "--request-timeout 1s" in err["message"]
+        s_status, s_body, _ = _post(base, {**long, "stream": True})
+        events = [ln[6:] for ln in s_body.splitlines() if ln.startswith("data: ")]
+        assert s_status == 200 and events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == "request_timeout"
+        time.sleep(1.0)  # the aborted choices are freed at once
+        with urllib.request.urlopen(base + "/metrics") as r:
+            running = next(ln for ln in r.read().decode().splitlines() if ln.startswith("xinfer:num_requests_running"))
+        assert float(running.split()[-1]) == 0.0
+        assert _post(base, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})[0] == 200
+    finally:
+        stop_server(proc)

@@ -72,6 +72,7 @@ def cmd_serve(args) -> int:
     api_options = dict(ui_port=args.port + 1 if args.ui_server else None,
                        api_key=args.api_key or envs.api_key(),
                        max_n=args.max_n, max_prompts=args.max_prompts_per_request,
+                       request_timeout=args.request_timeout,
                        max_request_bytes=args.max_request_bytes,
                        enforce_parser=args.enforce_parser, disable_reasoning=args.disable_reasoning,
                        keepalive_s=args.sse_keepalive,
@@ -116,6 +117,8 @@ def main(argv=None) -> int:
     s.add_argument("--max-n", type=int, default=16, help="largest n (choices per request) accepted")
     s.add_argument("--max-prompts-per-request", type=int, default=256,
                    help="most prompts in one /v1/completions request (more get 400)")
+    s.add_argument("--request-timeout", type=float, default=0.0,
+                   help="seconds a generation request may run before it is ended with 408 (0: no limit)")
     s.add_argument("--max-request-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
     s.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
                    help="Host header values answered, other ones get 421 (NAME allows any port, NAME:PORT "

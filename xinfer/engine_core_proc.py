@@ -193,9 +193,6 @@ class EngineCoreProc:
             deltas = core.step()
             log.debug("step %.1f ms, %d outputs", (time.perf_counter() - t) * 1e3, len(deltas))
             out = [self._token_delta(d) for d in deltas if d.seq_id in self.live]
-            for d in deltas:
-                if d.error is not None:  # the poison-pill rule ended it: the client hears why
-                    self.push.send(self.tx.encode(RequestError(d.request_id, d.error, d.finish_reason == "timeout")))
             # The counters first: they go straight to the API, the tokens through two more
             # processes, so /metrics already counts a request when its response ends.
             self._send_stats()
@@ -205,7 +202,7 @@ class EngineCoreProc:
         if d.finish_reason:
             self.live[d.seq_id].done_at = time.monotonic()
         return TokenDelta(d.seq_id, pack_ids(d.token_ids), d.finish_reason, self.core.num_cached_tokens(d.seq_id),
-                          d.logprobs, d.prompt_logprobs, d.queue_time)
+                          d.logprobs, d.prompt_logprobs, d.queue_time, d.error)
 
     def _send_stats(self) -> None:
         stats = self.core.stats()

@@ -17,13 +17,13 @@ def register(app: Sanic, s: ApiState, protected) -> None:
     @app.post("/v1/chat/completions", ctx_body=ChatRequest)
     @protected
     async def chat_completions(request):
-        s.admit()
-        body = decode(request.body, ChatRequest)
-        s.check_model(body.model)
-        params = sampling_params(body, chat=True, max_n=s.opts.max_n)
-        ids, spec = await s.offload(_prepare, s, body)
-        s.check([ids], params)
-        return await respond(s, request, body, [ids], params, spec, chat=True)
+        with s.admitted():
+            body = decode(request.body, ChatRequest)
+            s.check_model(body.model)
+            params = sampling_params(body, chat=True, max_n=s.opts.max_n)
+            ids, spec = await s.offload(_prepare, s, body)
+            s.check([ids], params)
+            return await respond(s, request, body, [ids], params, spec, chat=True)
 
 
 def _prepare(s: ApiState, body: ChatRequest) -> tuple[list[int], ParseSpec]:

@@ -14,10 +14,10 @@ def register(app: Sanic, s: ApiState, protected) -> None:
     @app.post("/v1/completions", ctx_body=CompletionRequest)
     @protected
     async def completions(request):
-        s.admit()
-        body = decode(request.body, CompletionRequest)
-        s.check_model(body.model)
-        params = sampling_params(body, chat=False, max_n=s.opts.max_n)
-        prompts = await s.offload(completion_prompts, s.tok, body, s.opts.max_prompts)
-        s.check(prompts, params)
-        return await respond(s, request, body, prompts, params, None, chat=False)
+        with s.admitted():
+            body = decode(request.body, CompletionRequest)
+            s.check_model(body.model)
+            params = sampling_params(body, chat=False, max_n=s.opts.max_n)
+            prompts = await s.offload(completion_prompts, s.tok, body, s.opts.max_prompts)
+            s.check(prompts, params)
+            return await respond(s, request, body, prompts, params, None, chat=False)

@@ -49,12 +49,7 @@ class EngineClient:
                 elif isinstance(msg, RequestError):
                     q = self.queues.get(msg.request_id)
                     if q is not None:
-                        if msg.retry:  # overloaded (--max-queue-wait), not a bad request
-                            self.metrics.reject("queue_timeout", msg.message)
-                            q.put_nowait(ApiError(f"{msg.message}; retry later", status=503,
-                                                  kind="service_unavailable", retry_after=1))
-                        else:
-                            q.put_nowait(InvalidRequestError(msg.message))
+                        q.put_nowait(InvalidRequestError(msg.message))
                 elif isinstance(msg, Stats):
                     self.metrics.stats = msg
                 elif isinstance(msg, Ready):
@@ -96,6 +91,8 @@ class EngineClient:
                     raise item
                 if item.index in finished:
                     continue
+                if item.error is not None:
+                    raise self._ended(item)
                 new_tokens = seen[item.index].trim(item)
                 if stop_after_call and item.tool_calls and not item.finish_reason:  # the call asked for is in
                     await self.push.send(self.tx.encode(Abort(request_id, item.index)))
@@ -113,6 +110,14 @@ class EngineClient:
             if remaining:  # the client went away (or an error): free the request's KV blocks now
                 record.aborted(remaining)
                 await self.push.send(self.tx.encode(Abort(request_id)))
+
+    def _ended(self, item) -> Exception:
+        """The engine ended a choice with an error: --max-queue-wait (overloaded: 503, retry) or the
+        poison-pill rule (this request breaks the model: 400)."""
+        if item.finish_reason == "timeout":
+            self.metrics.reject("queue_timeout", item.error)
+            return ApiError(f"{item.error}; retry later", status=503, kind="service_unavailable", retry_after=1)
+        return InvalidRequestError(item.error, code="request_failed")
 
     def close(self):
         self.push.close()

@@ -3,6 +3,7 @@ and the checks every generation route makes before it queues work (admission, mo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ class ApiOptions:
     enforce_parser: str | None = None  # tool-call parser; None: chosen from the model
     disable_reasoning: bool = False  # the default of a request's `thinking` flag
     keepalive_s: float = 15.0  # SSE comment after this long without output
+    request_timeout: float = 0.0  # a generation request still running after this long is ended (408); 0: off
     # HTTP-level limits (xinfer/api/guard.py)
     allowed_hosts: list[str] | None = None  # None: loopback names when bound to loopback, else any
     allowed_origins: list[str] = field(default_factory=list)  # cross-origin pages allowed to POST ("*": any)
@@ -54,6 +56,7 @@ class ApiState:
     max_queued_requests: int  # beyond the running batch, before admit() answers 503
     client: EngineClient | None = None  # made when the server starts (its sockets need the loop)
     draining: bool = False
+    active: int = 0  # generation requests admitted and not yet answered
     launched: bool = False  # under the supervisor: its SIGUSR1 says every process is ready
 
     async def offload(self, fn, *args):
@@ -61,12 +64,23 @@ class ApiState:
         HEAVY_JOBS at once: /health and the streams keep answering while a huge prompt is tokenized."""
         return await asyncio.get_running_loop().run_in_executor(_HEAVY, fn, *args)
 
-    def admit(self) -> None:
-        """503 with Retry-After while loading, draining or past the queue limit."""
+    @contextlib.contextmanager
+    def admitted(self):
+        """A generation request, from its first byte to its last: 503 with Retry-After while loading,
+        draining or full. Counted from admission, not from when it reaches the engine: 500 clients
+        arriving at once are all still being tokenized when the limit must already hold."""
+        self._admit()
+        self.active += 1
+        try:
+            yield
+        finally:
+            self.active -= 1
+
+    def _admit(self) -> None:
         c = self.client
         if c.ready is None or c.dead or self.draining or not self.launched:
             reason, why, retry = ("draining", "shutting down", 5) if self.draining else ("loading", "not ready", 5)
-        elif len(c.queues) >= self.config.max_num_seqs + self.max_queued_requests:
+        elif self.active >= self.config.max_num_seqs + self.max_queued_requests:
             reason, why, retry = "full", f"full: too many requests queued (limit {self.max_queued_requests})", 1
         else:
             return

@@ -35,7 +35,13 @@ async def _merged(s: ApiState, rid, prompts, params, spec):
         finally:
             await q.put((None, StopAsyncIteration()))
 
-    tasks = [asyncio.get_running_loop().create_task(run(p_i, ids)) for p_i, ids in enumerate(prompts)]
+    loop = asyncio.get_running_loop()
+    tasks = [loop.create_task(run(p_i, ids)) for p_i, ids in enumerate(prompts)]
+    limit = s.opts.request_timeout
+    # --request-timeout: past it the request is ended here and its choices aborted (the finally below)
+    timer = loop.call_later(limit, q.put_nowait, (None, ApiError(
+        f"the request did not finish within --request-timeout {limit:g}s; ask for fewer tokens or prompts",
+        status=408, kind="timeout_error", code="request_timeout"))) if limit else None
     try:
         left = len(tasks)
         while left:
@@ -47,6 +53,8 @@ async def _merged(s: ApiState, rid, prompts, params, spec):
             else:
                 yield idx, o
     finally:
+        if timer is not None:
+            timer.cancel()
         for t in tasks:
             t.cancel()
 

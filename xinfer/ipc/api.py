@@ -43,7 +43,6 @@ class Stats(msgspec.Struct, array_like=True, tag="stats"):
 class RequestError(msgspec.Struct, array_like=True, tag="err"):
     request_id: str
     message: str
-    retry: bool = False  # the engine is overloaded, not the request wrong: 503 + Retry-After
 
 
 ToEngine = GenerateRequest | Abort

@@ -42,6 +42,9 @@ class TokenDelta(msgspec.Struct, array_like=True):
     logprobs: list[Logprob] | None = None  # one per token in token_ids, when asked
     prompt_logprobs: list[Logprob | None] | None = None
     queue_time: float = 0.0
+    # With finish_reason "error" or "timeout": why, sent in order with the tokens (not beside them,
+    # where a backlog of other frames could let the end of the text overtake it).
+    error: str | None = None
 
 
 class TokenBatch(msgspec.Struct, array_like=True, tag="tokens"):
@@ -78,6 +81,7 @@ class TextDelta(msgspec.Struct, array_like=True):
     reasoning_offset: int = 0
     reasoning: str = ""
     tool_calls: list[ToolCallChunk] = []
+    error: str | None = None  # as TokenDelta.error
 
 
 class ParseInit(msgspec.Struct, array_like=True):

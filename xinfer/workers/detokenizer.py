@@ -62,7 +62,8 @@ def _main(tokenizer: tuple, topology: Topology, gen: int, parent: int) -> None:
                 del seqs[d.seq_id]
             if text or reason or d.logprobs or d.prompt_logprobs:
                 out.append(TextDelta(rid, index, offset, text, count[0], reason, d.num_cached_tokens, d.logprobs,
-                                     d.token_ids if d.logprobs else b"", d.prompt_logprobs, d.queue_time))
+                                     d.token_ids if d.logprobs else b"", d.prompt_logprobs, d.queue_time,
+                                     error=d.error))
         if out or parse_inits:
             push.send(tx.encode(TextBatch(out, parse_inits, batch.resync)))
 
