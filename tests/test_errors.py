@@ -32,6 +32,7 @@ def test_hf_cache_id_resolves(tiny_llama_path, tmp_path, monkeypatch):
     (tmp_path / "models--acme--tiny" / "refs" / "main").write_text("abc123")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     e = Engine(EngineConfig(model="acme/tiny", num_kv_blocks=16))
+    assert e.info.name == "acme/tiny"  # served under its id, not the snapshot's hash
     assert len(e.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids) == 3
 
 

@@ -248,8 +248,9 @@ def test_registry_and_errors():
     assert set(TOOL_PARSERS) == {"json", "qwen", "qwen_coder", "llama", "mistral", "pythonic", "deepseek", "passthrough"}
     for name, cls in TOOL_PARSERS.items():
         assert get_tool_parser(name) is cls and issubclass(cls, ToolParser) and cls.name == name
+    assert get_tool_parser("hermes").name == "qwen"  # vLLM's name of the same format
     with pytest.raises(ValueError) as e:
-        get_tool_parser("hermes")
+        get_tool_parser("bogus")
     for name in TOOL_PARSERS:
         assert name in str(e.value)
 

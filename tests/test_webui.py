@@ -184,11 +184,12 @@ def test_stop_aborts_the_request(ui_server, page):
 
 
 def test_errors_are_shown_and_new_chat_clears(page):
-    set_field(page, "max-tokens", 100000)  # past the context length: HTTP 400 with an OpenAI error body
-    send(page, "Too long a reply")
+    set_field(page, "top-p", 5)  # out of (0, 1]: HTTP 400 with an OpenAI error body
+    send(page, "A bad setting")
     wait_for(lambda: idle(page) and page.find_elements("css selector", "#messages .msg .error"), 15, "the error")
     err = page.find_element("css selector", "#messages .msg .error").text
-    assert "context length" in err, err
+    assert "top_p" in err, err
+    set_field(page, "top-p", 1)
     page.find_element("id", "new-chat").click()
     assert not page.find_elements("css selector", "#messages .msg")
     set_field(page, "max-tokens", 3)

@@ -10,7 +10,7 @@ from xinfer import envs
 from xinfer.config import EngineConfig
 from xinfer.errors import XinferError
 from xinfer.launch import launch
-from xinfer.parsers import TOOL_PARSERS
+from xinfer.parsers import get_tool_parser
 from xinfer.process import setup_logging
 
 
@@ -67,14 +67,19 @@ def cmd_generate(args) -> int:
 def cmd_serve(args) -> int:
     if not args.startup_timeout > 0:
         raise ValueError(f"--startup-timeout must be > 0 seconds, got {args.startup_timeout}")
-    if args.enforce_parser is not None and args.enforce_parser not in TOOL_PARSERS:
-        raise ValueError(f"--enforce-parser {args.enforce_parser!r} is not one of {', '.join(TOOL_PARSERS)}")
+    if args.enforce_parser is not None:
+        try:
+            args.enforce_parser = get_tool_parser(args.enforce_parser).name  # vLLM's names are taken too
+        except ValueError as e:
+            raise ValueError(f"--enforce-parser / --tool-call-parser: {e}") from None
     api_options = dict(ui_port=args.port + 1 if args.ui_server else None,
                        api_key=args.api_key or envs.api_key(),
                        max_n=args.max_n, max_prompts=args.max_prompts_per_request,
                        request_timeout=args.request_timeout,
                        max_request_bytes=args.max_request_bytes,
                        enforce_parser=args.enforce_parser, disable_reasoning=args.disable_reasoning,
+                       served_model_names=args.served_model_name, strict_model_names=args.strict_model_names,
+                       strict_max_tokens=args.strict_max_tokens, access_log=args.access_log,
                        keepalive_s=args.sse_keepalive,
                        allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
                        keep_alive_timeout=args.keep_alive_timeout, request_read_timeout=args.request_read_timeout,
@@ -85,10 +90,13 @@ def cmd_serve(args) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="xinfer", description="LLM inference engine")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    log_levels = ["debug", "info", "warning", "error"]
+    parser.add_argument("--log-level", default="info", choices=log_levels)
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text offline (no server)")
+    # Also after the command; SUPPRESS keeps a value given before it when it is not repeated.
+    g.add_argument("--log-level", default=argparse.SUPPRESS, choices=log_levels)
     add_engine_args(g)
     g.add_argument("--prompts", help="prompts separated by '|'")
     g.add_argument("--max-tokens", type=int, default=64)
@@ -102,6 +110,7 @@ def main(argv=None) -> int:
 
     s = sub.add_parser("serve", help="start the OpenAI-compatible server with the web chat page "
                        "(under the xinfer-launch supervisor)")
+    s.add_argument("--log-level", default=argparse.SUPPRESS, choices=log_levels)
     add_engine_args(s)
     # A server refuses what it cannot start in time (retry later); an offline batch just waits.
     s.set_defaults(max_queue_wait=120.0)
@@ -133,9 +142,18 @@ def main(argv=None) -> int:
     s.add_argument("--max-connections-per-client", type=int, default=None, metavar="N",
                    help="open connections per client address; more get 429 and are closed (0: no limit; "
                         "default 64, loopback clients not counted)")
-    s.add_argument("--enforce-parser", default=None,
+    s.add_argument("--enforce-parser", "--tool-call-parser", dest="enforce_parser", default=None,
                    help="tool-call parser (json, qwen, qwen_coder, llama, mistral, pythonic, deepseek, "
-                        "passthrough); default: chosen from the model's chat template and architecture")
+                        "passthrough, or vLLM's hermes, llama3_json, deepseek_v3, qwen3_coder); default: "
+                        "chosen from the model's chat template and architecture")
+    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model's name in /v1/models and in responses (the first; all answer "
+                        "/v1/models/{id}); default: the model's folder or file name, or its HF id")
+    s.add_argument("--strict-model-names", action="store_true",
+                   help="a request naming a model not served gets 404 (default: any name is served)")
+    s.add_argument("--strict-max-tokens", action="store_true",
+                   help="max_tokens over the room left in the context is a 400 (default: cut to the room)")
+    s.add_argument("--access-log", action="store_true", help="log one line per request")
     s.add_argument("--disable-reasoning", action="store_true",
                    help="requests think only when they ask to (the default of their 'thinking' flag)")
     s.add_argument("--sse-keepalive", type=float, default=15.0,

@@ -19,7 +19,7 @@ class EngineConfig:
     quantization: str = "auto"
     attention_backend: str = "auto"  # torch / triton / flashinfer / auto
     max_num_seqs: int = 64
-    max_model_len: int | None = None  # None: min(model's context, 4096)
+    max_model_len: int | None = None  # None: the model's context; the engine core caps it by the KV cache
     max_num_batched_tokens: int = 2048
     prefill_chunk_size: int = 512
     block_size: int = 16
@@ -34,6 +34,17 @@ class EngineConfig:
     # A request still waiting for its first step after this many seconds is refused (retry later);
     # None: waits as long as it takes (offline batches). `xinfer serve` defaults to 120.
     max_queue_wait: float | None = None
+    chat_template: str | None = None  # a Jinja file replacing (or supplying) the model's chat template
+
+    def read_chat_template(self) -> str | None:
+        """--chat-template's text; a file that cannot be read is a start-up error naming it."""
+        if self.chat_template is None:
+            return None
+        try:
+            with open(self.chat_template, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template {self.chat_template}: {e}") from None
 
     def __post_init__(self):
         if self.dtype not in DTYPES + ("auto",):
@@ -51,6 +62,7 @@ class EngineConfig:
             raise ValueError(f"--quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"--load-format must be 'auto' or 'dummy', got {self.load_format!r}")
+        self.read_chat_template()  # an unreadable file stops the start here, not in a child process
 
     def resolve(self, model_config: dict) -> "EngineConfig":
         """Settle what depends on the machine and the model (device and dtype "auto", the context
@@ -64,9 +76,10 @@ class EngineConfig:
 
     def resolve_context(self, model_config: dict) -> "EngineConfig":
         """The max_model_len default, the one place it is computed (the API process needs it
-        without torch): the model's context, at most 4096."""
+        without torch): the model's context (4096 when its config does not say). The engine core
+        lowers it to what the KV cache holds for one sequence (EngineCore.max_model_len)."""
         if self.max_model_len is None:
-            self.max_model_len = min(model_config.get("max_position_embeddings") or 4096, 4096)
+            self.max_model_len = model_config.get("max_position_embeddings") or 4096
         return self
 
     def resolve_quantization(self, quantized_gguf: bool) -> None:

@@ -42,11 +42,10 @@ class Engine:
         """worker="inproc" runs the model in this process; "process" runs it in a worker process over
         shared-memory rings, restarted by recompute if it dies."""
         self.config = config = config or EngineConfig(**kwargs)
-        self.info = info = load_model_info(config.model, config.load_format)
+        self.info = info = load_model_info(config.model, config.load_format, config.read_chat_template())
         config.resolve(info.config)
         config.resolve_quantization(info.kind == "gguf" and info.gguf.quantized)
         self.tokenizer = info.tokenizer
-        self.max_model_len = config.max_model_len
         self.vocab_size = info.config["vocab_size"]
         if worker == "process":
             self._rundir = Topology.create().rundir
@@ -55,6 +54,7 @@ class Engine:
             self._rundir = None
             runner = ModelRunner(config, info)
         self.core = EngineCore(config, info, runner)
+        self.max_model_len = self.core.max_model_len  # capped by the KV cache
         self._detok: dict[int, IncrementalDetokenizer] = {}  # the one per-choice state kept here
         self.default_params = default_sampling_params(info.generation_config)
 

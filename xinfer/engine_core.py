@@ -48,7 +48,11 @@ class EngineCore:
     def __init__(self, config: EngineConfig, info: ModelInfo, runner: Runner):
         """`runner` is started: it sized the KV cache after loading the weights."""
         self.config, self.info, self.runner = config, info, runner
-        self.max_model_len = config.max_model_len
+        cap = runner.num_blocks * config.block_size  # a longer sequence could never run
+        if config.max_model_len > cap:
+            log.info("max_model_len %d capped to %d: what the KV cache holds for one sequence",
+                     config.max_model_len, cap)
+        self.max_model_len = min(config.max_model_len, cap)
         self.blocks = BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_cache,
                                    config.prefix_cache_max_tokens)
         self.scheduler = Scheduler(config, self.blocks, self.max_model_len, info.eos_token_ids)

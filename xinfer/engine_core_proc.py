@@ -58,7 +58,8 @@ def _main(config: EngineConfig, topology: Topology, log_level: str, parent: int)
         proc.core = EngineCore(config, info, ProcessRunner(config, topology, log_level))
         proc.tokenizer = info.tokenizer.to_spec() if info.tokenizer is not None else None
         proc.start_pipeline()
-        proc.push.send(proc.tx.encode(Ready(info.name, config.max_model_len, os.getpid(), proc.core.blocks.num_blocks,
+        core = proc.core  # its max_model_len is capped by the KV cache: what the API goes by
+        proc.push.send(proc.tx.encode(Ready(info.name, core.max_model_len, os.getpid(), core.blocks.num_blocks,
                                             config.block_size)))
         process.started(NAME, [p.name for p in proc.procs])
         log.info("ready")

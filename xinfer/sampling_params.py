@@ -81,10 +81,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
-                  num_blocks: int | None = None, block_size: int = 16) -> None:
+                  num_blocks: int | None = None, block_size: int = 16, clamp: bool = False) -> None:
     """The one check of a request before it reaches the engine core (the API process runs it, and
     the offline Engine): its sampling params, its token ids, and room for it in the context and
-    in the KV cache. Raises InvalidRequestError naming the field."""
+    in the KV cache. Raises InvalidRequestError naming the field. `clamp`: a max_tokens over the
+    room left after the prompt is lowered to it (the choice then ends with "length") instead."""
     params.validate(vocab_size)
     if not prompt_ids:
         raise InvalidRequestError("prompt is empty", param="prompt")
@@ -92,6 +93,9 @@ def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int
     if bad is not None:
         raise InvalidRequestError(f"unknown token id {bad} (vocabulary size {vocab_size})", param="prompt")
     room = max_model_len - len(prompt_ids)
+    if clamp and room >= 1 and params.max_tokens is not None and params.max_tokens > room:
+        params.max_tokens = room  # params are shared by a request's prompts: the shortest room wins
+        params.min_tokens = min(params.min_tokens, room)
     if room < 1 or params.max_tokens is not None and params.max_tokens > room:
         raise InvalidRequestError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                                   f"the model's context length ({max_model_len})", param="max_tokens",

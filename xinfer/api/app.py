@@ -95,6 +95,8 @@ def create_app(config: EngineConfig, topology: Topology, max_queued_requests: in
         s.client.close()
 
     _error_handlers(app)
+    if opts.access_log:
+        _access_log(app)
     protected = _key_check(opts.api_key)
     for family in (info, tokenizer, chat, completions):
         family.register(app, s, protected)
@@ -105,7 +107,8 @@ def create_app(config: EngineConfig, topology: Topology, max_queued_requests: in
 
 
 def _load_state(config: EngineConfig, opts: ApiOptions, max_queued_requests: int) -> ApiState:
-    info = load_model_info(config.model, config.load_format)  # tokenizer and config only, no weights
+    # the tokenizer and config only, no weights
+    info = load_model_info(config.model, config.load_format, config.read_chat_template())
     tok = info.tokenizer
     config.resolve_context(info.config)
     template = tok.chat_template if tok is not None else None
@@ -113,9 +116,10 @@ def _load_state(config: EngineConfig, opts: ApiOptions, max_queued_requests: int
     tool_parser = choose_tool_parser(arch, template, opts.enforce_parser)  # ValueError names the valid ones
     markers = reasoning_markers(template)
     log.info("tool-call parser %s, reasoning markers %s", tool_parser, markers)
-    return ApiState(opts=opts, tok=tok, model_name=info.name, max_model_len=config.max_model_len,
+    names = opts.served_model_names or [info.name]
+    return ApiState(opts=opts, tok=tok, model_names=names,
                     vocab_size=info.config["vocab_size"], template=template, tool_parser=tool_parser,
-                    markers=markers, strs=TokenStrings(tok), metrics=Metrics(info.name), config=config,
+                    markers=markers, strs=TokenStrings(tok), metrics=Metrics(names[0]), config=config,
                     max_queued_requests=max_queued_requests)
 
 
@@ -139,27 +143,44 @@ def _key_check(api_key: str | None):
 
 
 def _error_handlers(app: Sanic) -> None:
-    @app.exception(ApiError)
-    async def api_error(request, e: ApiError):
+    """Every error answer (the routes' and guard's) is made here, and logged here once."""
+    def answer(request, e: ApiError):
+        log.info("rejected %s %s: %d %s: %s", request.method, request.path, e.status, e.code or e.kind, e)
         headers = {"Retry-After": str(e.retry_after)} if e.retry_after else None
         return response.json(e.body(), status=e.status, headers=headers)
 
+    @app.exception(ApiError)
+    async def api_error(request, e: ApiError):
+        return answer(request, e)
+
     @app.exception(InvalidRequestError)
     async def invalid(request, e):
-        return response.json(ApiError(str(e), param=e.param, code=e.code).body(), status=400)
+        return answer(request, ApiError(str(e), param=e.param, code=e.code))
 
     @app.exception(SanicException)
     async def sanic_error(request, e):
         status = getattr(e, "status_code", 500)
         kind = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}.get(
             status, "invalid_request_error" if status < 500 else "server_error")
-        return response.json(ApiError(str(e), status=status, kind=kind).body(), status=status)
+        return answer(request, ApiError(str(e), status=status, kind=kind))
 
     @app.exception(Exception)
     async def unexpected(request, e):
         log.exception("request failed")
-        return response.json(ApiError(str(e) or type(e).__name__, status=500, kind="server_error").body(),
-                             status=500)
+        return answer(request, ApiError(str(e) or type(e).__name__, status=500, kind="server_error"))
+
+
+def _access_log(app: Sanic) -> None:
+    """--access-log: one line per request (a stream's duration is until its headers went out)."""
+    @app.on_request
+    async def started(request):
+        request.ctx.t0 = time.perf_counter()
+
+    @app.on_response
+    async def answered(request, resp):
+        t0 = getattr(request.ctx, "t0", None)
+        took = f"{(time.perf_counter() - t0) * 1000:.1f} ms" if t0 is not None else "-"
+        log.info("%s %s %d %s", request.method, request.path, resp.status, took)
 
 
 def _listen_for_ui(app: Sanic, ui_port: int) -> None:

@@ -5,7 +5,7 @@ import uuid
 
 from sanic import Sanic
 
-from xinfer.api.protocol import chat_text, decode, parse_tools, sampling_params
+from xinfer.api.protocol import chat_text, decode, parse_tools, sampling_params, warn_unknown_fields
 from xinfer.api.schema import ChatRequest
 from xinfer.api.state import ApiState
 from xinfer.api.streaming import respond
@@ -19,6 +19,7 @@ def register(app: Sanic, s: ApiState, protected) -> None:
     async def chat_completions(request):
         with s.admitted():
             body = decode(request.body, ChatRequest)
+            warn_unknown_fields(request.body, ChatRequest)
             s.check_model(body.model)
             params = sampling_params(body, chat=True, max_n=s.opts.max_n)
             ids, spec = await s.offload(_prepare, s, body)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sanic import Sanic
 
-from xinfer.api.protocol import completion_prompts, decode, sampling_params
+from xinfer.api.protocol import completion_prompts, decode, sampling_params, warn_unknown_fields
 from xinfer.api.schema import CompletionRequest
 from xinfer.api.state import ApiState
 from xinfer.api.streaming import respond
@@ -16,6 +16,7 @@ def register(app: Sanic, s: ApiState, protected) -> None:
     async def completions(request):
         with s.admitted():
             body = decode(request.body, CompletionRequest)
+            warn_unknown_fields(request.body, CompletionRequest)
             s.check_model(body.model)
             params = sampling_params(body, chat=False, max_n=s.opts.max_n)
             prompts = await s.offload(completion_prompts, s.tok, body, s.opts.max_prompts)

@@ -115,7 +115,7 @@ class EngineClient:
         """The engine ended a choice with an error: --max-queue-wait (overloaded: 503, retry) or the
         poison-pill rule (this request breaks the model: 400)."""
         if item.finish_reason == "timeout":
-            self.metrics.reject("queue_timeout", item.error)
+            self.metrics.reject("queue_timeout")
             return ApiError(f"{item.error}; retry later", status=503, kind="service_unavailable", retry_after=1)
         return InvalidRequestError(item.error, code="request_failed")
 

@@ -49,7 +49,7 @@ def register(app: Sanic, s: ApiState, protected) -> None:
     @app.get("/v1/models/<model_id:path>")
     @protected
     async def model(request, model_id):
-        s.check_model(model_id)
+        s.check_model(model_id, strict=True)  # a listing: only the served names (aliases) exist
         return response.json(_model_card(s))
 
 

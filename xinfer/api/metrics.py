@@ -2,7 +2,6 @@
 request-level latency histograms measured in the API process."""
 from __future__ import annotations
 
-import logging
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -10,7 +9,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Summa
 
 from xinfer.ipc.api import Stats
 
-log = logging.getLogger("xinfer.api")
 
 _BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
@@ -51,10 +49,9 @@ class Metrics:
         for r in FINISH_REASONS:
             self.finished.labels(model_name, r)
 
-    def reject(self, reason: str, why: str) -> None:
-        """A request refused with 503: counted by reason and logged, one line each."""
+    def reject(self, reason: str) -> None:
+        """A request refused with 503, counted by reason (its answer is logged where it is made: app.py)."""
         self.rejected.labels(self.model, reason).inc()
-        log.info("request rejected (%s): %s", reason, why)
 
     def request_done(self, reason: str, prompt_tokens: int, generation_tokens: int, queue_time: float) -> None:
         """One choice finished (each of a request's n choices counts as a request, as in vLLM)."""

@@ -3,6 +3,7 @@ then turned into what the engine and the chat template take."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 
 import msgspec
@@ -13,6 +14,8 @@ from xinfer.parsers.base import too_deep
 from xinfer.sampling_params import SamplingParams
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs up to the context
+
+log = logging.getLogger("xinfer.api")
 
 
 class ApiError(Exception):
@@ -44,6 +47,26 @@ def decode(raw: bytes | None, kind: type):
     if too_deep(raw, MAX_DEPTH):  # what msgspec took into Any fields (tool schemas, template kwargs)
         raise ApiError(too_nested)
     return body
+
+
+_KEYS = msgspec.json.Decoder(dict[str, msgspec.Raw])  # the top level only: its values stay undecoded
+_UNKNOWN_SEEN: set[str] = set()
+_UNKNOWN_MAX = 256  # names come from clients: remembered (and logged) up to this many
+
+
+def warn_unknown_fields(raw: bytes | None, kind: type) -> None:
+    """Top-level fields the server ignores, each name logged once per process: a client that
+    thinks it set something (a parameter of another server) can find out why nothing changed."""
+    if len(_UNKNOWN_SEEN) >= _UNKNOWN_MAX:
+        return
+    try:
+        keys = _KEYS.decode(raw or b"")
+    except msgspec.DecodeError:  # decode() has accepted it; this only goes wrong on odd input
+        return
+    new = sorted(keys.keys() - set(kind.__struct_fields__) - _UNKNOWN_SEEN)
+    for name in new[:_UNKNOWN_MAX - len(_UNKNOWN_SEEN)]:
+        _UNKNOWN_SEEN.add(name)
+        log.warning("request field %r is not supported and is ignored (logged once)", name[:80])
 
 
 def _invalid(msg: str) -> ApiError:
@@ -131,8 +154,9 @@ def chat_text(tok, body, tools: list[dict] | None, thinking_default: bool, descr
             msg["tool_calls"] = _history_calls(m.tool_calls, i)
         norm.append(msg)
     kwargs = _template_kwargs(body.chat_template_kwargs or {})
-    thinking = next((v for v in (kwargs.pop("enable_thinking", None), body.enable_thinking, body.thinking)
-                     if v is not None), thinking_default)
+    effort_off = False if body.reasoning_effort == "none" else None  # as vLLM and llama-server read it
+    thinking = next((v for v in (kwargs.pop("enable_thinking", None), body.enable_thinking, body.thinking,
+                                 effort_off) if v is not None), thinking_default)
     if isinstance(thinking, dict):  # {"type": "enabled" | "disabled"}, in chat_template_kwargs
         thinking = thinking.get("type") != "disabled"
     elif isinstance(thinking, ThinkingConfig):

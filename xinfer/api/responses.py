@@ -95,7 +95,7 @@ def chat_delta(o, first_call_seen: set) -> dict:
     """The `delta` of a chat stream chunk for one TextDelta."""
     delta = {}
     if o.reasoning:
-        delta["reasoning_content"] = o.reasoning
+        delta["reasoning_content"] = delta["reasoning"] = o.reasoning  # the older name and vLLM's newer one
     if o.text:
         delta["content"] = o.text
     if o.tool_calls:

@@ -144,6 +144,7 @@ class ChatRequest(Sampling, kw_only=True):
     chat_template_kwargs: TemplateKwargs | None = None
     thinking: Thinking | None = None
     enable_thinking: bool | None = None
+    reasoning_effort: Annotated[str, Meta(max_length=32)] | None = None  # "none": no thinking
     logprobs: bool | None = None
     top_logprobs: TopN | None = None  # needs logprobs: true
 
@@ -166,6 +167,7 @@ class TokenizeRequest(Body, kw_only=True):
     chat_template_kwargs: TemplateKwargs | None = None
     thinking: Thinking | None = None
     enable_thinking: bool | None = None
+    reasoning_effort: Annotated[str, Meta(max_length=32)] | None = None
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
     return_token_strs: bool | None = None
 

@@ -29,6 +29,10 @@ class ApiOptions:
     max_request_bytes: int = 8 << 20
     enforce_parser: str | None = None  # tool-call parser; None: chosen from the model
     disable_reasoning: bool = False  # the default of a request's `thinking` flag
+    served_model_names: list[str] | None = None  # the first is listed and echoed; None: the model's own name
+    strict_model_names: bool = False  # a request naming another model gets 404 (else any name is served)
+    strict_max_tokens: bool = False  # max_tokens over the room left is a 400 (else clamped to it)
+    access_log: bool = False  # one log line per request
     keepalive_s: float = 15.0  # SSE comment after this long without output
     request_timeout: float = 0.0  # a generation request still running after this long is ended (408); 0: off
     # HTTP-level limits (xinfer/api/guard.py)
@@ -44,8 +48,7 @@ class ApiState:
     """One per app, on app.ctx.state."""
     opts: ApiOptions
     tok: object  # the model's tokenizer; None for a model without one (token ids only)
-    model_name: str
-    max_model_len: int
+    model_names: list[str]  # the served names: the first is listed and echoed, all answer /v1/models/{id}
     vocab_size: int
     template: str | None  # the chat template
     tool_parser: str
@@ -84,22 +87,35 @@ class ApiState:
             reason, why, retry = "full", f"full: too many requests queued (limit {self.max_queued_requests})", 1
         else:
             return
-        self.metrics.reject(reason, why)
+        self.metrics.reject(reason)
         raise ApiError(f"the server is {why}; retry later", status=503, kind="service_unavailable",
                        retry_after=retry)
 
-    def check_model(self, name) -> None:
-        if name is not None and name != self.model_name:
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    @property
+    def max_model_len(self) -> int:
+        """The engine's context once it is ready (capped by what its KV cache holds), else the configured one."""
+        ready = self.client.ready if self.client is not None else None
+        return ready.max_model_len if ready is not None else self.config.max_model_len
+
+    def check_model(self, name, strict: bool | None = None) -> None:
+        """A single-model server answers any name (as llama-server does), unless --strict-model-names."""
+        strict = self.opts.strict_model_names if strict is None else strict
+        if strict and name is not None and name not in self.model_names and name != "default":
             raise ApiError(f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                            status=404, kind="not_found_error", param="model", code="model_not_found")
 
     def check(self, prompts, params) -> None:
         """The one check of a request before it is queued (the engine core trusts it): sampling
-        params, token ids, room in the context and in the KV cache."""
+        params, token ids, room in the context and in the KV cache. A max_tokens over the room left
+        is cut to it (llama-server) unless --strict-max-tokens (vLLM's 400)."""
         ready = self.client.ready
         for ids in prompts:
             check_request(ids, params, self.vocab_size, self.max_model_len, ready.num_blocks or None,
-                          ready.block_size)
+                          ready.block_size, clamp=not self.opts.strict_max_tokens)
 
     def need_tokenizer(self) -> None:
         if self.tok is None:

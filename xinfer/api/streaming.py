@@ -108,7 +108,7 @@ async def respond(s: ApiState, request, body, prompts, params, spec, chat: bool)
             msg = {"role": "assistant", "content": "".join(st.content) or (None if st.calls else "")}
             reasoning = "".join(st.reasoning)
             if reasoning:
-                msg["reasoning_content"] = reasoning
+                msg["reasoning_content"] = msg["reasoning"] = reasoning  # as chat_delta
             if st.calls:
                 msg["tool_calls"] = st.tool_calls()
             lp = {"content": chat_logprobs(s.strs, st.logprob_ids, st.logprobs)} if params.logprobs is not None \

@@ -20,9 +20,12 @@ class ModelInfo:
     generation_config: dict
     tokenizer: Tokenizer | None
     gguf: object = None
+    repo_id: str | None = None  # a model found in the Hugging Face cache: its "org/name"
 
     @property
     def name(self) -> str:
+        if self.repo_id:  # not the snapshot folder's hash
+            return self.repo_id
         return Path(self.path).stem if self.kind == "gguf" else Path(self.path).name
 
     @property
@@ -34,7 +37,15 @@ def _as_list(v) -> list[int]:
     return [] if v is None else [int(x) for x in (v if isinstance(v, list) else [v])]
 
 
-def load_model_info(model: str | None, load_format: str = "auto") -> ModelInfo:
+def load_model_info(model: str | None, load_format: str = "auto", chat_template: str | None = None) -> ModelInfo:
+    """`chat_template`: a template that replaces the model's own (--chat-template)."""
+    info = _load(model, load_format)
+    if chat_template is not None and info.tokenizer is not None:
+        info.tokenizer.chat_template = chat_template
+    return info
+
+
+def _load(model: str | None, load_format: str) -> ModelInfo:
     if load_format == "dummy":
         return _dummy_info(model)
     kind, path = hf.resolve_model(model)
@@ -48,7 +59,8 @@ def load_model_info(model: str | None, load_format: str = "auto") -> ModelInfo:
     eos = _as_list(gen.get("eos_token_id")) or _as_list(cfg.get("eos_token_id"))
     # A folder without tokenizer.json still serves token-id prompts (tiny test models, benchmarks).
     tok = load_hf_tokenizer(path, eos) if (Path(path) / "tokenizer.json").is_file() else None
-    return ModelInfo("hf", path, cfg, gen, tok)
+    repo_id = model if not Path(model).expanduser().is_dir() else None  # resolved from the HF cache
+    return ModelInfo("hf", path, cfg, gen, tok, repo_id=repo_id)
 
 
 def _dummy_info(model: str | None) -> ModelInfo:

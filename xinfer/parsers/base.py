@@ -296,11 +296,16 @@ def register(cls: type[ToolParser]) -> type[ToolParser]:
     return cls
 
 
+# vLLM's --tool-call-parser names for the same formats (its mistral and pythonic are spelled alike).
+VLLM_PARSER_NAMES = {"hermes": "qwen", "llama3_json": "llama", "deepseek_v3": "deepseek", "qwen3_coder": "qwen_coder"}
+
+
 def get_tool_parser(name: str) -> type[ToolParser]:
     try:
-        return TOOL_PARSERS[name]
+        return TOOL_PARSERS[VLLM_PARSER_NAMES.get(name, name)]
     except KeyError:
-        raise ValueError(f"unknown tool parser {name!r}; valid: {', '.join(sorted(TOOL_PARSERS))}") from None
+        raise ValueError(f"unknown tool parser {name!r}; valid: {', '.join(sorted(TOOL_PARSERS))} "
+                         f"(or vLLM's {', '.join(sorted(VLLM_PARSER_NAMES))})") from None
 
 
 # What a chat template writes when it renders a call, most specific first.
