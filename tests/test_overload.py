@@ -55,6 +55,17 @@ def test_requests_that_wait_too_long_get_503(server):
     assert float(line.split()[-1]) == 2.0
 
 
+def test_many_prompts_are_admitted_in_chunks(server):
+    """Six prompts on a one-slot server with --max-queue-wait 1: the API admits them a batch's worth
+    at a time, so none waits in the engine's queue long enough to be refused."""
+    req = urllib.request.Request(server + "/v1/completions", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({"prompt": [f"Count to {i}:" for i in range(6)], "max_tokens": 40,
+                                                  "ignore_eos": True, "temperature": 0}).encode())
+    with urllib.request.urlopen(req, timeout=120) as r:
+        body = json.loads(r.read())
+    assert [c["index"] for c in body["choices"]] == list(range(6))
+    assert all(c["finish_reason"] == "length" for c in body["choices"]) and body["usage"]["completion_tokens"] == 240
+
 def test_request_timeout_ends_a_long_request_with_408():
     proc, base, _ = start_server("--kv-cache-gb", "0.1", "--request-timeout", "1")
     try:

@@ -23,13 +23,17 @@ log = logging.getLogger("xinfer.api")
 
 
 async def _merged(s: ApiState, rid, prompts, params, spec):
-    """Every prompt's choices at once: (global choice index, TextDelta or None for keep-alive)."""
+    """Every prompt's choices: (global choice index, TextDelta or None for keep-alive). Many prompts
+    are admitted to the engine in chunks of a running batch's worth, the next as one finishes: the
+    engine's queue (and --max-queue-wait) only sees what can start soon, and results stream meanwhile."""
     q: asyncio.Queue = asyncio.Queue()
+    chunk = asyncio.Semaphore(max(1, s.config.max_num_seqs // params.n))
 
     async def run(p_i, ids):
         try:
-            async for o in s.client.generate(f"{rid}-{p_i}", ids, params, spec, s.opts.keepalive_s):
-                await q.put((p_i * params.n + o.index, o) if o is not None else (None, None))
+            async with chunk:
+                async for o in s.client.generate(f"{rid}-{p_i}", ids, params, spec, s.opts.keepalive_s):
+                    await q.put((p_i * params.n + o.index, o) if o is not None else (None, None))
         except Exception as e:
             await q.put((None, e))
         finally:
