@@ -137,6 +137,39 @@ def test_cli_flags_after_the_command(monkeypatch):
     assert cli.main(["serve", "--tool-call-parser", "bogus"]) == 2
 
 
+def test_continuous_usage_stats_count_up_in_every_chunk(srv):
+    chunks = list(srv.client.chat.completions.create(
+        model="my-model", messages=HI, max_tokens=5, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert all(c.usage is not None for c in chunks) and counts == sorted(counts) and counts[-1] == 5
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + 5
+
+
+def test_include_stop_str_in_output(tiny_llama_path, tmp_path):
+    """The tiny model's text, cut at a stop string found in it: without, then with the stop string."""
+    from xinfer import Engine, EngineConfig, SamplingParams
+    e = Engine(EngineConfig(model=make_chat_model(tiny_llama_path, tmp_path / "m", PLAIN_TEMPLATE), num_kv_blocks=64))
+    free = e.generate(["ab"], SamplingParams(temperature=0, max_tokens=30))[0].text
+    stop = free[10:12]
+    cut = free[:free.index(stop)]
+    out = e.generate(["ab"], SamplingParams(temperature=0, max_tokens=30, stop=[stop]))[0]
+    kept = e.generate(["ab"], SamplingParams(temperature=0, max_tokens=30, stop=[stop],
+                                             include_stop_str_in_output=True))[0]
+    assert (out.text, out.finish_reason) == (cut, "stop") and (kept.text, kept.finish_reason) == (cut + stop, "stop")
+
+
+def test_include_stop_str_in_output_through_the_server(srv):
+    def text(**kw):
+        status, body = call(srv.base, "/v1/completions", {"prompt": "ab", "max_tokens": 30, "temperature": 0, **kw})
+        assert status == 200, body
+        return body["choices"][0]["text"]
+    free = text()
+    stop = free[10:12]
+    assert text(stop=[stop]) == free[:free.index(stop)]
+    assert text(stop=[stop], include_stop_str_in_output=True) == free[:free.index(stop)] + stop
+
+
 def test_unknown_fields_warned_once_and_requests_logged(srv):
     for _ in range(2):
         body = {"messages": HI, "max_tokens": 1, "frobnicate": {"x": [1]}, "top_a": 0.5}

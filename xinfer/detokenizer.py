@@ -13,7 +13,8 @@ _CONTEXT = 6
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str], skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str], skip_special_tokens: bool = True,
+                 include_stop: bool = False):
         self.tok = tokenizer
         self.ids: list[int] = list(prompt_ids[-_CONTEXT:])
         self.prefix_offset = 0
@@ -24,6 +25,7 @@ class IncrementalDetokenizer:
         self.text = ""  # all stable text so far (before any stop string)
         self.sent = 0  # characters of `text` already handed out
         self.stopped: str | None = None  # the stop string that matched
+        self.include_stop = include_stop
 
     def _decode(self, ids):
         if self.tok is None:  # a model served by token ids only: no text
@@ -49,7 +51,7 @@ class IncrementalDetokenizer:
             hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
             if hits:
                 i, s = min(hits)
-                self.text = self.text[:i]
+                self.text = self.text[:i + len(s) if self.include_stop else i]
                 self.stopped = s
                 final = True
         end = len(self.text) if final else max(self.sent, len(self.text) - self.hold)

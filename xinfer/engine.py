@@ -75,7 +75,8 @@ class Engine:
         if self.tokenizer is not None:
             for s in seqs:
                 self._detok[s.seq_id] = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
-                                                               params.skip_special_tokens)
+                                                               params.skip_special_tokens,
+                                                               params.include_stop_str_in_output)
         return [s.seq_id for s in seqs]
 
     def _prompt_ids(self, prompt) -> list[int]:

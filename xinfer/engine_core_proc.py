@@ -239,7 +239,7 @@ class EngineCoreProc:
         tail = pack_ids(ids[-_PROMPT_TAIL:])
         for s in seqs:
             init = SeqInit(s.seq_id, msg.request_id, s.index, tail, list(msg.params.stop),
-                           msg.params.skip_special_tokens, msg.parse)
+                           msg.params.skip_special_tokens, msg.parse, msg.params.include_stop_str_in_output)
             self.live[s.seq_id] = _Live(s, init)
             self.new_inits.append(init)
 

@@ -29,6 +29,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: int | None = None  # number of top alternatives per sampled token (0: just the chosen one)
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (echo)
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # a matched stop string stays at the end of the text
 
     @property
     def greedy(self) -> bool:

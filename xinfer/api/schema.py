@@ -109,6 +109,7 @@ TemplateKwargs = dict[str, Any]  # keys are checked by protocol.chat_text
 
 class StreamOptions(Struct, kw_only=True):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # every chunk carries the usage so far (vLLM)
 
 
 # ---- the route bodies ----
@@ -134,6 +135,7 @@ class Sampling(Body, kw_only=True):
     stop_token_ids: StopTokenIds | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
     prompt_logprobs: TopN | None = None
 
 

@@ -134,14 +134,18 @@ async def respond(s: ApiState, request, body, prompts, params, spec, chat: bool)
 
 
 async def _stream(s: ApiState, request, rid, base, prompts, params, spec, chat, body):
-    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    options = body.get("stream_options") or {}
+    include_usage, continuous = bool(options.get("include_usage")), bool(options.get("continuous_usage_stats"))
     chunk_kind = "chat.completion.chunk" if chat else "text_completion"
     resp = await request.respond(content_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def send(choices, extra=None):
         payload = {**base, "object": chunk_kind, "choices": choices}
-        if include_usage:
+        if continuous:  # the usage so far (reasoning tokens are counted once, at the end)
+            payload["usage"] = usage(sum(len(p) for p in prompts) * n, sum(st.tokens for st in states),
+                                     sum(st.cached for st in states))
+        elif include_usage:
             payload["usage"] = None
         payload.update(extra or {})
         await resp.send("data: " + _dumps(payload) + "\n\n")

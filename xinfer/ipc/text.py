@@ -32,6 +32,7 @@ class SeqInit(msgspec.Struct, array_like=True):
     stop: list[str]
     skip_special_tokens: bool
     parse: ParseSpec | None = None
+    include_stop: bool = False
 
 
 class TokenDelta(msgspec.Struct, array_like=True):

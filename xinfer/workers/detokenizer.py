@@ -33,7 +33,8 @@ def _main(tokenizer: tuple, topology: Topology, gen: int, parent: int) -> None:
     def handle(batch: TokenBatch) -> None:
         parse_inits = []
         for init in batch.inits:
-            det = IncrementalDetokenizer(tok, unpack_ids(init.prompt_tail), init.stop, init.skip_special_tokens)
+            det = IncrementalDetokenizer(tok, unpack_ids(init.prompt_tail), init.stop, init.skip_special_tokens,
+                                         init.include_stop)
             seqs[init.seq_id] = (init.request_id, init.index, det, [0])
             if init.parse is not None:
                 parse_inits.append(ParseInit(init.request_id, init.index, init.parse))
