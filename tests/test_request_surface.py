@@ -170,6 +170,16 @@ def test_include_stop_str_in_output_through_the_server(srv):
     assert text(stop=[stop], include_stop_str_in_output=True) == free[:free.index(stop)] + stop
 
 
+
+def test_continue_final_message_through_the_server(srv):
+    msgs = HI + [{"role": "assistant", "content": "Hel"}]
+    status, body = call(srv.base, "/v1/chat/completions", {"messages": msgs, "max_tokens": 2,
+                                                           "continue_final_message": True})
+    assert status == 200 and body["usage"]["completion_tokens"] == 2
+    status, body = call(srv.base, "/v1/chat/completions", {"messages": msgs, "max_tokens": 2,
+                                                           "continue_final_message": True, "add_generation_prompt": True})
+    assert status == 400 and body["error"]["param"] == "continue_final_message"
+
 def test_unknown_fields_warned_once_and_requests_logged(srv):
     for _ in range(2):
         body = {"messages": HI, "max_tokens": 1, "frobnicate": {"x": [1]}, "top_a": 0.5}
@@ -183,3 +193,23 @@ def test_unknown_fields_warned_once_and_requests_logged(srv):
     assert "rejected POST /v1/chat/completions: 400" in log and "top_p" in log
     assert "rejected GET /v1/models/something-else: 404 model_not_found" in log
     assert "POST /v1/chat/completions 200" in log and "GET /v1/models 200" in log
+
+
+def test_continue_final_message_and_add_generation_prompt(tiny_llama_path, tmp_path):
+    """What the template renders: the generation prompt on or off, or the last assistant turn left open."""
+    from xinfer.api.protocol import ApiError, chat_text
+    from xinfer.api.schema import ChatRequest, Message
+    from xinfer.loader import load_model_info
+    template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    tok = load_model_info(make_chat_model(tiny_llama_path, tmp_path / "m", template)).tokenizer
+    msgs = [Message(role="user", content="Hi"), Message(role="assistant", content="Hel")]
+
+    def render(**kw):
+        return chat_text(tok, ChatRequest(messages=msgs, **kw), None, True)
+
+    assert render() == "<user>Hi</s><assistant>Hel</s><assistant>"
+    assert render(add_generation_prompt=False) == "<user>Hi</s><assistant>Hel</s>"
+    assert render(continue_final_message=True) == "<user>Hi</s><assistant>Hel"
+    with pytest.raises(ApiError, match="add_generation_prompt"):
+        render(continue_final_message=True, add_generation_prompt=True)

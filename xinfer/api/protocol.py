@@ -164,7 +164,18 @@ def chat_text(tok, body, tools: list[dict] | None, thinking_default: bool, descr
     kwargs["enable_thinking"] = bool(thinking)
     if tools and describe_tools and "tools" not in (tok.chat_template or ""):
         norm = _describe_tools(norm, tools)
-    return tok.apply_chat_template(norm, tools=tools, **kwargs)
+    if not body.continue_final_message:
+        return tok.apply_chat_template(norm, body.add_generation_prompt is not False, tools=tools, **kwargs)
+    if body.add_generation_prompt:
+        raise ApiError("'continue_final_message' needs 'add_generation_prompt': false", param="continue_final_message")
+    last = norm[-1]
+    if last["role"] != "assistant" or not last["content"]:
+        raise ApiError("'continue_final_message' needs a last message from the assistant with content",
+                       param="continue_final_message")
+    text = tok.apply_chat_template(norm, False, tools=tools, **kwargs)
+    end = text.rfind(last["content"])
+    # The template closes the turn after the content (an end-of-turn token): the reply goes on from there.
+    return text[:end + len(last["content"])] if end >= 0 else text
 
 
 # Besides the renderer's own names, these would switch how the prompt is tokenized.

@@ -147,6 +147,8 @@ class ChatRequest(Sampling, kw_only=True):
     thinking: Thinking | None = None
     enable_thinking: bool | None = None
     reasoning_effort: Annotated[str, Meta(max_length=32)] | None = None  # "none": no thinking
+    add_generation_prompt: bool | None = None  # default true (false with continue_final_message)
+    continue_final_message: bool = False  # the reply continues the last (assistant) message
     logprobs: bool | None = None
     top_logprobs: TopN | None = None  # needs logprobs: true
 
@@ -170,6 +172,8 @@ class TokenizeRequest(Body, kw_only=True):
     thinking: Thinking | None = None
     enable_thinking: bool | None = None
     reasoning_effort: Annotated[str, Meta(max_length=32)] | None = None
+    add_generation_prompt: bool | None = None  # default true (false with continue_final_message)
+    continue_final_message: bool = False  # the reply continues the last (assistant) message
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
     return_token_strs: bool | None = None
 
