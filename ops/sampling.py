@@ -28,10 +28,11 @@ class SamplingBatch:
     output_ids: torch.Tensor | None  # [B, L] long, padded with vocab size (ignored)
     prompt_ids: torch.Tensor | None  # [B, Lp] long, padded with vocab size
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, token ids, values
-    banned: tuple[torch.Tensor, torch.Tensor] | None  # rows, token ids set to -inf (min_tokens)
+    banned: tuple[torch.Tensor, torch.Tensor] | None  # rows, token ids set to -inf (min_tokens, bad words)
     seeds: list[tuple[int, int]]  # (row, per-step seed) for seeded rows
     all_greedy: bool
     num_logprobs: int | None  # max top-k alternatives asked for in the batch; None = no logprobs
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None  # rows restricted to these (row, token id) pairs
 
 
 def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
@@ -41,6 +42,13 @@ def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         logits.index_put_((rows, ids), vals, accumulate=True)
     if b.banned is not None:
         logits[b.banned] = float("-inf")
+    if b.allowed is not None:
+        rows, ids = b.allowed
+        keep = torch.zeros_like(logits, dtype=torch.bool)
+        keep[rows, ids] = True
+        restricted = torch.zeros(B, dtype=torch.bool, device=logits.device)
+        restricted[rows] = True
+        logits = logits.masked_fill(restricted[:, None] & ~keep, float("-inf"))
     if b.repetition_penalty is not None:
         seen = torch.zeros(B, V + 1, dtype=torch.bool, device=logits.device)
         for ids in (b.prompt_ids, b.output_ids):
@@ -65,7 +73,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch):
     """logits [B, V] float32 -> (token ids [B], logprobs or None).
     logprobs are from the model's raw distribution: (chosen [B], top ids [B, k], top values [B, k])."""
     raw = logits
-    if (b.bias is not None or b.banned is not None or b.repetition_penalty is not None
+    if (b.bias is not None or b.banned is not None or b.allowed is not None or b.repetition_penalty is not None
             or b.presence_penalty is not None or b.frequency_penalty is not None):
         logits = apply_penalties(logits.clone(), b)  # in place on a copy: logprobs read `raw`
     greedy_tokens = logits.argmax(dim=-1)

@@ -245,7 +245,8 @@ def test_mixed_outputs_agree_across_chunkings(family):
 
 
 def test_registry_and_errors():
-    assert set(TOOL_PARSERS) == {"json", "qwen", "qwen_coder", "llama", "mistral", "pythonic", "deepseek", "passthrough"}
+    assert set(TOOL_PARSERS) == {"json", "qwen", "qwen_coder", "llama", "mistral", "pythonic", "deepseek", "passthrough",
+                                 "glm45_moe", "glm47_moe", "step3", "kimik2", "minimax_m2"}
     for name, cls in TOOL_PARSERS.items():
         assert get_tool_parser(name) is cls and issubclass(cls, ToolParser) and cls.name == name
     assert get_tool_parser("hermes").name == "qwen"  # vLLM's name of the same format

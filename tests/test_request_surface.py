@@ -180,6 +180,16 @@ def test_continue_final_message_through_the_server(srv):
                                                            "continue_final_message": True, "add_generation_prompt": True})
     assert status == 400 and body["error"]["param"] == "continue_final_message"
 
+
+def test_bad_words_and_allowed_token_ids_through_the_server(srv):
+    def completion(**kw):
+        status, body = call(srv.base, "/v1/completions", {"prompt": "ab", "max_tokens": 20, "temperature": 0, **kw})
+        assert status == 200, body
+        return body["choices"][0]["text"]
+    free = completion()
+    assert free[3:5] not in completion(bad_words=[free[3:5]])
+    assert call(srv.base, "/v1/completions", {"prompt": "ab", "allowed_token_ids": [10 ** 6]})[0] == 400
+
 def test_unknown_fields_warned_once_and_requests_logged(srv):
     for _ in range(2):
         body = {"messages": HI, "max_tokens": 1, "frobnicate": {"x": [1]}, "top_a": 0.5}
@@ -213,3 +223,18 @@ def test_continue_final_message_and_add_generation_prompt(tiny_llama_path, tmp_p
     assert render(continue_final_message=True) == "<user>Hi</s><assistant>Hel"
     with pytest.raises(ApiError, match="add_generation_prompt"):
         render(continue_final_message=True, add_generation_prompt=True)
+
+
+def test_allowed_token_ids_and_bad_words(tiny_llama_path, tmp_path):
+    from xinfer import Engine, EngineConfig, SamplingParams
+    e = Engine(EngineConfig(model=make_chat_model(tiny_llama_path, tmp_path / "m", PLAIN_TEMPLATE), num_kv_blocks=64))
+    greedy = SamplingParams(temperature=0, max_tokens=40)
+    free = e.generate(["ab"], greedy)[0]
+    allowed = sorted(set(free.token_ids[:3]))
+    only = e.generate(["ab"], SamplingParams(temperature=0, max_tokens=40, allowed_token_ids=allowed))[0]
+    assert set(only.token_ids) <= set(allowed)
+    pair = free.text[4:6]  # two characters the model writes: a two-token bad word
+    banned = e.generate(["ab"], SamplingParams(temperature=0, max_tokens=40, bad_words=[pair, free.text[0]]))[0]
+    assert pair not in banned.text and free.text[0] not in banned.text and len(banned.token_ids) == 40
+    sampled = e.generate(["ab"] * 4, SamplingParams(temperature=1.0, max_tokens=40, seed=3, bad_words=[pair]))
+    assert all(pair not in o.text for o in sampled)

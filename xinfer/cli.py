@@ -10,7 +10,7 @@ from xinfer import envs
 from xinfer.config import EngineConfig
 from xinfer.errors import XinferError
 from xinfer.launch import launch
-from xinfer.parsers import get_tool_parser
+from xinfer.parsers import TOOL_PARSERS, get_tool_parser
 from xinfer.process import setup_logging
 
 
@@ -143,9 +143,9 @@ def main(argv=None) -> int:
                    help="open connections per client address; more get 429 and are closed (0: no limit; "
                         "default 64, loopback clients not counted)")
     s.add_argument("--enforce-parser", "--tool-call-parser", dest="enforce_parser", default=None,
-                   help="tool-call parser (json, qwen, qwen_coder, llama, mistral, pythonic, deepseek, "
-                        "passthrough, or vLLM's hermes, llama3_json, deepseek_v3, qwen3_coder); default: "
-                        "chosen from the model's chat template and architecture")
+                   help=f"tool-call parser ({', '.join(TOOL_PARSERS)}, or vLLM's names for them: hermes, "
+                        "llama3_json, deepseek_v3, qwen3_coder, glm45, glm47, kimi_k2); default: chosen from "
+                        "the model's chat template and architecture")
     s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model's name in /v1/models and in responses (the first; all answer "
                         "/v1/models/{id}); default: the model's folder or file name, or its HF id")

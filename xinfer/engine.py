@@ -11,7 +11,7 @@ from xinfer.engine_core import Delta, EngineCore
 from xinfer.errors import InvalidRequestError
 from xinfer.ipc.topology import Topology
 from xinfer.loader import load_model_info
-from xinfer.sampling_params import SamplingParams, check_request
+from xinfer.sampling_params import SamplingParams, check_request, tokenize_bad_words
 from xinfer.scheduler import Sequence
 from xinfer.workers.model_runner import ModelRunner
 from xinfer.workers.worker import ProcessRunner
@@ -69,6 +69,7 @@ class Engine:
         """Check and queue one request; returns the seq ids of its n choices."""
         params = params or self.default_params
         ids = self._prompt_ids(prompt)
+        tokenize_bad_words(self.tokenizer, params)
         check_request(ids, params, self.vocab_size, self.max_model_len, self.core.blocks.num_blocks,
                       self.config.block_size)
         seqs = self.core.add_request(request_id or f"req-{next(self.core._ids)}", ids, params)

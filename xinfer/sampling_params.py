@@ -25,6 +25,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     seed: int | None = None
     stop: list[str] = []
     stop_token_ids: list[int] = []
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] = []  # never generated (tokenized into bad_words_ids by the caller)
+    bad_words_ids: list[list[int]] = []
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives per sampled token (0: just the chosen one)
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (echo)
@@ -72,7 +75,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             if v is not None and not 0 <= v <= 20:
                 bad(name, f"must be in [0, 20], got {v}")
         if vocab_size is not None:
-            for tid in list(self.stop_token_ids) + list((self.logit_bias or {}).keys()):
+            for tid in (list(self.stop_token_ids) + list((self.logit_bias or {}).keys())
+                        + list(self.allowed_token_ids or [])):
                 if not 0 <= int(tid) < vocab_size:
                     bad("token id", f"{tid} is out of range for a vocabulary of {vocab_size}")
         for v in (self.logit_bias or {}).values():
@@ -105,3 +109,15 @@ def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int
     if num_blocks is not None and need > num_blocks:
         raise InvalidRequestError(f"request needs {need} KV blocks but the cache holds {num_blocks}; "
                                   "raise --kv-cache-gb or shorten it", param="max_tokens")
+
+
+def tokenize_bad_words(tokenizer, params: SamplingParams) -> None:
+    """bad_words as the token sequences the model could write them with: alone and after a space
+    (as vLLM does); the worker bans each sequence's last token where the output ends with the rest."""
+    if not params.bad_words or params.bad_words_ids:
+        return
+    if tokenizer is None:
+        raise InvalidRequestError("bad_words needs a tokenizer; this model has none", param="bad_words")
+    seqs = {tuple(tokenizer.encode(w, add_special_tokens=False)) for word in params.bad_words
+            for w in (word, " " + word.lstrip())}
+    params.bad_words_ids = [list(s) for s in seqs if s]

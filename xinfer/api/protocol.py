@@ -255,7 +255,7 @@ def completion_prompts(tok, body, max_prompts: int) -> list[list[int]]:
 
 _PASSED = ("n", "min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
            "repetition_penalty", "seed", "stop_token_ids", "ignore_eos", "skip_special_tokens",
-           "include_stop_str_in_output")
+           "include_stop_str_in_output", "allowed_token_ids", "bad_words")
 
 
 def sampling_params(body: Sampling, chat: bool = True, max_n: int = 16) -> SamplingParams:

@@ -136,6 +136,8 @@ class Sampling(Body, kw_only=True):
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    allowed_token_ids: Annotated[list[TokenId], Meta(min_length=1, max_length=1 << 20)] | None = None
+    bad_words: Annotated[list[Annotated[str, Meta(min_length=1, max_length=256)]], Meta(max_length=64)] | None = None
     prompt_logprobs: TopN | None = None
 
 

@@ -13,7 +13,7 @@ from xinfer.api.metrics import Metrics
 from xinfer.api.protocol import ApiError
 from xinfer.api.responses import TokenStrings
 from xinfer.config import EngineConfig
-from xinfer.sampling_params import check_request
+from xinfer.sampling_params import check_request, tokenize_bad_words
 
 
 HEAVY_JOBS = max(2, os.cpu_count() or 2)
@@ -113,6 +113,7 @@ class ApiState:
         params, token ids, room in the context and in the KV cache. A max_tokens over the room left
         is cut to it (llama-server) unless --strict-max-tokens (vLLM's 400)."""
         ready = self.client.ready
+        tokenize_bad_words(self.tok, params)
         for ids in prompts:
             check_request(ids, params, self.vocab_size, self.max_model_len, ready.num_blocks or None,
                           ready.block_size, clamp=not self.opts.strict_max_tokens)

@@ -9,6 +9,10 @@ from xinfer.parsers.llama import LlamaToolParser
 from xinfer.parsers.mistral import MistralToolParser
 from xinfer.parsers.pythonic import PythonicToolParser
 from xinfer.parsers.deepseek import DeepSeekToolParser
+from xinfer.parsers.glm import Glm45ToolParser, Glm47ToolParser
+from xinfer.parsers.step3 import Step3ToolParser
+from xinfer.parsers.kimi import KimiK2ToolParser
+from xinfer.parsers.minimax import MiniMaxM2ToolParser
 from xinfer.parsers.passthrough import PassthroughToolParser
 from xinfer.parsers.reasoning import (
     ReasoningParser,
@@ -20,6 +24,7 @@ from xinfer.parsers.schema import check_arguments
 __all__ = [
     "TOOL_PARSERS", "ReasoningParser", "ToolParser", "check_arguments",
     "choose_tool_parser", "get_tool_parser", "reasoning_markers", "starts_in_reasoning",
-    "DeepSeekToolParser", "JsonToolParser", "LlamaToolParser", "MistralToolParser",
-    "PassthroughToolParser", "PythonicToolParser", "QwenCoderToolParser", "QwenToolParser",
+    "DeepSeekToolParser", "Glm45ToolParser", "Glm47ToolParser", "JsonToolParser", "KimiK2ToolParser",
+    "LlamaToolParser", "MiniMaxM2ToolParser", "MistralToolParser", "PassthroughToolParser",
+    "PythonicToolParser", "QwenCoderToolParser", "QwenToolParser", "Step3ToolParser",
 ]

@@ -296,8 +296,10 @@ def register(cls: type[ToolParser]) -> type[ToolParser]:
     return cls
 
 
-# vLLM's --tool-call-parser names for the same formats (its mistral and pythonic are spelled alike).
-VLLM_PARSER_NAMES = {"hermes": "qwen", "llama3_json": "llama", "deepseek_v3": "deepseek", "qwen3_coder": "qwen_coder"}
+# vLLM's --tool-call-parser names for the same formats (its mistral, pythonic, step3 and minimax_m2
+# are spelled alike).
+VLLM_PARSER_NAMES = {"hermes": "qwen", "llama3_json": "llama", "deepseek_v3": "deepseek", "qwen3_coder": "qwen_coder",
+                     "glm45": "glm45_moe", "glm47": "glm47_moe", "kimi_k2": "kimik2"}
 
 
 def get_tool_parser(name: str) -> type[ToolParser]:
@@ -311,6 +313,11 @@ def get_tool_parser(name: str) -> type[ToolParser]:
 # What a chat template writes when it renders a call, most specific first.
 _TEMPLATE_MARKERS = [
     ("tool▁calls▁begin", "deepseek"),
+    ("steptml:invoke", "step3"),
+    ("<|tool_calls_section_begin|>", "kimik2"),
+    ("<minimax:tool_call>", "minimax_m2"),
+    ("</arg_key><arg_value>", "glm47_moe"),  # GLM templates also have <tool_call>; 4.7 drops the newlines
+    ("<arg_key>", "glm45_moe"),
     ("<function=", "qwen_coder"),  # Qwen3-Coder's template also has <tool_call>
     ("<tool_call>", "qwen"),
     ("[TOOL_CALLS]", "mistral"),

@@ -221,12 +221,18 @@ class ModelRunner:
         pres = col([p.presence_penalty for p in ps], off=0.0)
         freq = col([p.frequency_penalty for p in ps], off=0.0)
         bias_rows, bias_ids, bias_vals, ban_rows, ban_ids, seeds = [], [], [], [], [], []
+        ok_rows, ok_ids = [], []
         for i, (s, p, out) in enumerate(zip(seqs, ps, outputs)):
             for tid, v in (p.logit_bias or {}).items():
                 bias_rows.append(i), bias_ids.append(int(tid)), bias_vals.append(float(v))
             if len(out) < p.min_tokens:
                 for tid in set(([] if p.ignore_eos else self.eos_ids) + list(p.stop_token_ids)):
                     ban_rows.append(i), ban_ids.append(tid)
+            for bad in p.bad_words_ids:  # its last token, where the output ends with the rest of it
+                if len(bad) == 1 or out[len(out) - len(bad) + 1:] == bad[:-1]:
+                    ban_rows.append(i), ban_ids.append(bad[-1])
+            if p.allowed_token_ids:
+                ok_rows.extend([i] * len(p.allowed_token_ids)), ok_ids.extend(p.allowed_token_ids)
             if s.seed is not None:
                 # the noise for output position k depends only on (seed, k)
                 seeds.append((i, s.seed * 1_000_003 + len(out)))
@@ -241,5 +247,6 @@ class ModelRunner:
             bias=(torch.tensor(bias_rows, device=dev), torch.tensor(bias_ids, device=dev),
                   torch.tensor(bias_vals, device=dev)) if bias_rows else None,
             banned=(torch.tensor(ban_rows, device=dev), torch.tensor(ban_ids, device=dev)) if ban_rows else None,
+            allowed=(torch.tensor(ok_rows, device=dev), torch.tensor(ok_ids, device=dev)) if ok_rows else None,
             seeds=seeds, all_greedy=all(p.greedy for p in ps),
             num_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=None))
