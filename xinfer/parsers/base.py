@@ -283,6 +283,45 @@ class ToolParser:
             return end, _BAD
 
 
+class MarkedCalls(ToolParser):
+    """Families whose calls sit in a section of special-token markers: SECTIONS maps each opening
+    marker to its closing one; inside, each call is CALL_BEGIN ... CALL_END, read by `_call`."""
+    SECTIONS: dict[str, str] = {}
+    CALL_BEGIN = CALL_END = ""
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        cls.starts = tuple(cls.SECTIONS)
+
+    def _call(self, inner: str) -> tuple[str, dict] | None:
+        """(name, arguments) from what is between CALL_BEGIN and CALL_END, or None: not a call."""
+        raise NotImplementedError
+
+    def _section(self, buf, off, final):
+        begin = next(b for b in self.SECTIONS if buf.startswith(b, off))
+        done = self._until(buf, off + len(begin), self.SECTIONS[begin], final)
+        if done is None:
+            return None
+        n, body = done
+        if body is None:
+            # ended without the closing marker: fine if every call in it closed
+            body = buf[off + len(begin):]
+            if not body.rstrip().endswith(self.CALL_END):
+                return n, None
+        return n, self._parse(body)
+
+    def _parse(self, body: str):
+        calls, rest = [], body.strip()
+        while rest:
+            e = rest.find(self.CALL_END)
+            call = self._call(rest[len(self.CALL_BEGIN):e]) if rest.startswith(self.CALL_BEGIN) and e >= 0 else None
+            if call is None:
+                return None
+            calls.append(call)
+            rest = rest[e + len(self.CALL_END):].strip()
+        return calls or None
+
+
 # Filled by `register` as the family modules are imported (xinfer/parsers/__init__.py imports
 # them all, in the order this dict lists them).
 TOOL_PARSERS: dict[str, type[ToolParser]] = {}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-from xinfer.parsers.base import ToolParser, register
+from xinfer.parsers.base import MarkedCalls, register
 from xinfer.parsers.qwen_coder import _convert
 
 _INVOKE = re.compile(r'\s*<steptml:invoke name="([^"<>]+)">(.*)</steptml:invoke>\s*', re.DOTALL)
@@ -11,7 +11,7 @@ _PARAM = re.compile(r'\s*<steptml:parameter name="([^"<>]+)">(.*?)</steptml:para
 
 
 @register
-class Step3ToolParser(ToolParser):
+class Step3ToolParser(MarkedCalls):
     """Step3: <｜tool_calls_begin｜><｜tool_call_begin｜>function<｜tool_sep｜>
     <steptml:invoke name="NAME"><steptml:parameter name="K">V</steptml:parameter>...
     </steptml:invoke><｜tool_call_end｜>...<｜tool_calls_end｜>; values are text, typed by the
@@ -19,38 +19,14 @@ class Step3ToolParser(ToolParser):
     name = "step3"
     CALLS_BEGIN, CALLS_END = "<｜tool_calls_begin｜>", "<｜tool_calls_end｜>"
     CALL_BEGIN, CALL_END, SEP = "<｜tool_call_begin｜>", "<｜tool_call_end｜>", "<｜tool_sep｜>"
-    starts = (CALLS_BEGIN,)
+    SECTIONS = {CALLS_BEGIN: CALLS_END}
 
-    def _section(self, buf, off, final):
-        done = self._until(buf, off + len(self.CALLS_BEGIN), self.CALLS_END, final)
-        if done is None:
+    def _call(self, inner: str):
+        kind, sep, invoke = inner.partition(self.SEP)
+        m = _INVOKE.fullmatch(invoke)
+        if not sep or kind.strip() != "function" or not m:
             return None
-        n, body = done
-        if body is None:
-            # ended without the closing marker: fine if every call in it closed
-            body = buf[off + len(self.CALLS_BEGIN):]
-            if not body.rstrip().endswith(self.CALL_END):
-                return n, None
-        return n, self._parse(body)
-
-    def _parse(self, body: str):
-        calls, rest = [], body.strip()
-        while rest:
-            if not rest.startswith(self.CALL_BEGIN):
-                return None
-            e = rest.find(self.CALL_END)
-            if e < 0:
-                return None
-            kind, sep, invoke = rest[len(self.CALL_BEGIN):e].partition(self.SEP)
-            m = _INVOKE.fullmatch(invoke)
-            if not sep or kind.strip() != "function" or not m:
-                return None
-            call = self._invoke(m.group(1).strip(), m.group(2))
-            if call is None:
-                return None
-            calls.append(call)
-            rest = rest[e + len(self.CALL_END):].strip()
-        return calls or None
+        return self._invoke(m.group(1).strip(), m.group(2))
 
     def _invoke(self, name: str, params: str):
         props = (self.schemas.get(name) or {}).get("properties") or {}
