@@ -283,6 +283,22 @@ class ToolParser:
             return end, _BAD
 
 
+class TaggedCalls(ToolParser):
+    """Families whose calls sit between a START and an END tag; `_parse` reads what is between."""
+    START = END = ""
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        cls.starts = (cls.START,)
+
+    def _section(self, buf, off, final):
+        done = self._until(buf, off + len(self.START), self.END, final)
+        if done is None:
+            return None
+        n, body = done
+        return n, (None if body is None else self._parse(body))
+
+
 class MarkedCalls(ToolParser):
     """Families whose calls sit in a section of special-token markers: SECTIONS maps each opening
     marker to its closing one; inside, each call is CALL_BEGIN ... CALL_END, read by `_call`."""

@@ -50,13 +50,15 @@ class Glm45ToolParser(QwenToolParser):
             i = p.end()
         return [(name, args)]
 
+    AFTER_NAME = "\n"  # what the template writes between the name and the first key
+
     @classmethod
     def forced_prefix(cls, function_name):
         if function_name is None:
             return "<tool_call>"
         if not _NAME.fullmatch(function_name):
             return None
-        return f"<tool_call>{function_name}\n"
+        return f"<tool_call>{function_name}{cls.AFTER_NAME}"
 
 
 @register
@@ -64,11 +66,4 @@ class Glm47ToolParser(Glm45ToolParser):
     """GLM-4.7: as GLM-4.5 without the newlines: <tool_call>NAME<arg_key>K</arg_key>
     <arg_value>V</arg_value>...</tool_call>."""
     name = "glm47_moe"
-
-    @classmethod
-    def forced_prefix(cls, function_name):
-        if function_name is None:
-            return "<tool_call>"
-        if not _NAME.fullmatch(function_name):
-            return None
-        return f"<tool_call>{function_name}"
+    AFTER_NAME = ""

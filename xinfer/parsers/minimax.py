@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-from xinfer.parsers.base import ToolParser, register
+from xinfer.parsers.base import TaggedCalls, register
 from xinfer.parsers.qwen_coder import _convert
 
 _NAME = r"""\s*("[^"<>]*"|'[^'<>]*'|[^\s"'<>]+)\s*"""
@@ -16,19 +16,11 @@ def _unquote(name: str) -> str:
 
 
 @register
-class MiniMaxM2ToolParser(ToolParser):
+class MiniMaxM2ToolParser(TaggedCalls):
     """MiniMax-M2: <minimax:tool_call>\\n<invoke name="NAME">\\n<parameter name="K">V</parameter>
     \\n...</invoke>...\\n</minimax:tool_call>; values are text, typed by the tool's schema."""
     name = "minimax_m2"
     START, END = "<minimax:tool_call>", "</minimax:tool_call>"
-    starts = (START,)
-
-    def _section(self, buf, off, final):
-        done = self._until(buf, off + len(self.START), self.END, final)
-        if done is None:
-            return None
-        n, body = done
-        return n, (None if body is None else self._parse(body))
 
     def _parse(self, body: str):
         calls, i = [], 0

@@ -3,22 +3,14 @@ from __future__ import annotations
 
 import json
 
-from xinfer.parsers.base import ToolParser, call_from, register, skip_ws, too_deep
+from xinfer.parsers.base import TaggedCalls, call_from, register, skip_ws, too_deep
 
 
 @register
-class QwenToolParser(ToolParser):
+class QwenToolParser(TaggedCalls):
     """Hermes style (Qwen2.5, Qwen3): <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>."""
     name = "qwen"
     START, END = "<tool_call>", "</tool_call>"
-    starts = (START,)
-
-    def _section(self, buf, off, final):
-        done = self._until(buf, off + len(self.START), self.END, final)
-        if done is None:
-            return None
-        n, body = done
-        return n, (None if body is None else self._parse(body))
 
     def _parse(self, body: str):
         if too_deep(body):
