@@ -238,3 +238,16 @@ def test_allowed_token_ids_and_bad_words(tiny_llama_path, tmp_path):
     assert pair not in banned.text and free.text[0] not in banned.text and len(banned.token_ids) == 40
     sampled = e.generate(["ab"] * 4, SamplingParams(temperature=1.0, max_tokens=40, seed=3, bad_words=[pair]))
     assert all(pair not in o.text for o in sampled)
+
+
+def test_reasoning_parser_names_the_markers():
+    import subprocess
+    import sys
+    from xinfer.parsers import reasoning_markers
+    think = "{{ '<think>' }}"
+    assert reasoning_markers(think) == ("<think>", "</think>")
+    assert reasoning_markers(think, "none") is None  # no reasoning split, whatever the template says
+    assert reasoning_markers(None, "mistral") == ("[THINK]", "[/THINK]")
+    r = subprocess.run([sys.executable, "-m", "xinfer.cli", "serve", "--reasoning-parser", "bogus"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--reasoning-parser 'bogus' is not one of none, deepseek_r1" in r.stderr

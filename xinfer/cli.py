@@ -10,7 +10,8 @@ from xinfer import envs
 from xinfer.config import EngineConfig
 from xinfer.errors import XinferError
 from xinfer.launch import launch
-from xinfer.parsers import TOOL_PARSERS, get_tool_parser
+from xinfer.parsers import TOOL_PARSERS, get_tool_parser, reasoning_markers
+from xinfer.parsers.reasoning import REASONING_PARSERS
 from xinfer.process import setup_logging
 
 
@@ -72,12 +73,15 @@ def cmd_serve(args) -> int:
             args.enforce_parser = get_tool_parser(args.enforce_parser).name  # vLLM's names are taken too
         except ValueError as e:
             raise ValueError(f"--enforce-parser / --tool-call-parser: {e}") from None
+    if args.reasoning_parser is not None:
+        reasoning_markers(None, args.reasoning_parser)  # an unknown name stops here, with the list
     api_options = dict(ui_port=args.port + 1 if args.ui_server else None,
                        api_key=args.api_key or envs.api_key(),
                        max_n=args.max_n, max_prompts=args.max_prompts_per_request,
                        request_timeout=args.request_timeout,
                        max_request_bytes=args.max_request_bytes,
                        enforce_parser=args.enforce_parser, disable_reasoning=args.disable_reasoning,
+                       reasoning_parser=args.reasoning_parser,
                        served_model_names=args.served_model_name, strict_model_names=args.strict_model_names,
                        strict_max_tokens=args.strict_max_tokens, access_log=args.access_log,
                        keepalive_s=args.sse_keepalive,
@@ -154,6 +158,9 @@ def main(argv=None) -> int:
     s.add_argument("--strict-max-tokens", action="store_true",
                    help="max_tokens over the room left in the context is a 400 (default: cut to the room)")
     s.add_argument("--access-log", action="store_true", help="log one line per request")
+    s.add_argument("--reasoning-parser", default=None,
+                   help=f"reasoning markers by name ({', '.join(REASONING_PARSERS)}; none: no reasoning split); "
+                        "default: from the chat template")
     s.add_argument("--disable-reasoning", action="store_true",
                    help="requests think only when they ask to (the default of their 'thinking' flag)")
     s.add_argument("--sse-keepalive", type=float, default=15.0,

@@ -114,7 +114,7 @@ def _load_state(config: EngineConfig, opts: ApiOptions, max_queued_requests: int
     template = tok.chat_template if tok is not None else None
     arch = (info.config.get("architectures") or [None])[0]
     tool_parser = choose_tool_parser(arch, template, opts.enforce_parser)  # ValueError names the valid ones
-    markers = reasoning_markers(template)
+    markers = reasoning_markers(template, opts.reasoning_parser)
     log.info("tool-call parser %s, reasoning markers %s", tool_parser, markers)
     names = opts.served_model_names or [info.name]
     return ApiState(opts=opts, tok=tok, model_names=names,

@@ -16,7 +16,20 @@ def partial_tail(text: str, markers) -> int:
     return 0
 
 
-def reasoning_markers(chat_template: str | None) -> tuple[str, str] | None:
+# --reasoning-parser: vLLM's names for the marker pairs ("none": no reasoning split)
+_THINK = ("<think>", "</think>")
+REASONING_PARSERS = {"none": None, "deepseek_r1": _THINK, "deepseek_v3": _THINK, "qwen3": _THINK, "glm45": _THINK,
+                     "minimax_m2": _THINK, "step3": _THINK, "mistral": ("[THINK]", "[/THINK]"),
+                     "kimi_k2": ("◁think▷", "◁/think▷")}
+
+
+def reasoning_markers(chat_template: str | None, parser: str | None = None) -> tuple[str, str] | None:
+    """The reasoning markers: those of `parser` (--reasoning-parser) if given, else the first pair the
+    chat template mentions."""
+    if parser is not None:
+        if parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser {parser!r} is not one of {', '.join(REASONING_PARSERS)}")
+        return REASONING_PARSERS[parser]
     if not chat_template:
         return None
     for start, end in _MARKERS:
