@@ -251,3 +251,43 @@ def test_reasoning_parser_names_the_markers():
     r = subprocess.run([sys.executable, "-m", "xinfer.cli", "serve", "--reasoning-parser", "bogus"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--reasoning-parser 'bogus' is not one of none, deepseek_r1" in r.stderr
+
+
+def test_https_with_a_certificate(tmp_path, tiny_llama_path):
+    """--ssl-certfile / --ssl-keyfile: the API answers HTTPS (a self-signed certificate made here)."""
+    import json
+    import shutil
+    import ssl
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    from tests.conftest import free_port
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make a certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    port = free_port()
+    model = make_chat_model(tiny_llama_path, tmp_path / "m", PLAIN_TEMPLATE)
+    proc = subprocess.Popen([sys.executable, "-m", "xinfer.cli", "--log-level", "warning", "serve", "--m", model,
+                             "--port", str(port), "--num-kv-blocks", "32", "--ssl-certfile", str(cert),
+                             "--ssl-keyfile", str(key)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ctx = ssl.create_default_context()
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    base = f"https://127.0.0.1:{port}"
+    try:
+        for _ in range(240):
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2, context=ctx) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                assert proc.poll() is None, proc.stdout.read()
+                time.sleep(0.5)
+        req = urllib.request.Request(base + "/v1/completions", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"prompt": "ab", "max_tokens": 3}).encode())
+        with urllib.request.urlopen(req, timeout=30, context=ctx) as r:
+            assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] == 3
+    finally:
+        stop_server(proc)

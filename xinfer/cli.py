@@ -82,6 +82,7 @@ def cmd_serve(args) -> int:
                        max_request_bytes=args.max_request_bytes,
                        enforce_parser=args.enforce_parser, disable_reasoning=args.disable_reasoning,
                        reasoning_parser=args.reasoning_parser,
+                       ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
                        served_model_names=args.served_model_name, strict_model_names=args.strict_model_names,
                        strict_max_tokens=args.strict_max_tokens, access_log=args.access_log,
                        keepalive_s=args.sse_keepalive,
@@ -158,6 +159,8 @@ def main(argv=None) -> int:
     s.add_argument("--strict-max-tokens", action="store_true",
                    help="max_tokens over the room left in the context is a 400 (default: cut to the room)")
     s.add_argument("--access-log", action="store_true", help="log one line per request")
+    s.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate (PEM; with --ssl-keyfile)")
+    s.add_argument("--ssl-keyfile", default=None, help="the certificate's private key (PEM)")
     s.add_argument("--reasoning-parser", default=None,
                    help=f"reasoning markers by name ({', '.join(REASONING_PARSERS)}; none: no reasoning split); "
                         "default: from the chat template")

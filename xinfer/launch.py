@@ -112,7 +112,8 @@ class Supervisor:
             return 0
         self.ready = True
         os.kill(self.procs[API].pid, signal.SIGUSR1)  # every process is up: /health turns 200
-        log.info("ready on http://%s:%d (%s)", self.host, self.port,
+        log.info("ready on %s://%s:%d (%s)", "https" if self.api_options.get("ssl_certfile") else "http",
+                 self.host, self.port,
                  ", ".join(f"{n} {p}" for n, p in self.started.items()))
         return self._watch()
 

@@ -10,6 +10,7 @@ import hmac
 import logging
 import os
 import signal
+import ssl
 import time
 
 from sanic import Sanic, response
@@ -43,6 +44,7 @@ def create_app(config: EngineConfig, topology: Topology, max_queued_requests: in
     app.config.REQUEST_MAX_SIZE = opts.max_request_bytes
     app.config.REQUEST_MAX_HEADER_SIZE = 8192
     s = app.ctx.state = _load_state(config, opts, max_queued_requests)
+    app.ctx.ssl = _ssl_context(opts)
     s.launched = parent is None
 
     @app.before_server_start
@@ -104,6 +106,20 @@ def create_app(config: EngineConfig, topology: Topology, max_queued_requests: in
     if ui_port:
         _listen_for_ui(app, ui_port)
     return app
+
+
+def _ssl_context(opts: ApiOptions):
+    """--ssl-certfile / --ssl-keyfile: a server-side TLS context (a bad file stops the start-up)."""
+    if not opts.ssl_certfile and not opts.ssl_keyfile:
+        return None
+    if not (opts.ssl_certfile and opts.ssl_keyfile):
+        raise ValueError("--ssl-certfile and --ssl-keyfile go together")
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(opts.ssl_certfile, opts.ssl_keyfile)
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(f"--ssl-certfile {opts.ssl_certfile} / --ssl-keyfile {opts.ssl_keyfile}: {e}") from None
+    return ctx
 
 
 def _load_state(config: EngineConfig, opts: ApiOptions, max_queued_requests: int) -> ApiState:
@@ -197,7 +213,7 @@ def _listen_for_ui(app: Sanic, ui_port: int) -> None:
         try:
             srv = sanic_serve(host, ui_port, app, loop=asyncio.get_running_loop(), run_async=True,
                               register_sys_signals=False, connections=set(), signal=Signal(),
-                              protocol=guard.Protocol)
+                              protocol=guard.Protocol, ssl=app.ctx.ssl)
             app.ctx.ui_server = await srv
         except OSError as e:  # the API keeps serving (and its own / still has the page)
             log.error("web chat page: cannot listen on %s:%d: %s", host, ui_port, e)

@@ -33,7 +33,7 @@ def serve(config: EngineConfig, topology: Topology, host: str, port: int, log_le
     log.info("serving %s on http://%s:%d", config.model or "the bundled SmolLM2-135M-Instruct", host, port)
     try:
         app.run(host=host, port=port, single_process=True, access_log=False, motd=False,
-                protocol=guard.Protocol)  # its read deadline: see guard
+                protocol=guard.Protocol, ssl=app.ctx.ssl)  # guard.Protocol: its read deadline
     except OSError as e:  # the port is taken
         process.failed(name, f"cannot listen on {host}:{port}: {e.strerror or e}")
         raise SystemExit(1)

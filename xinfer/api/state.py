@@ -30,6 +30,8 @@ class ApiOptions:
     enforce_parser: str | None = None  # tool-call parser; None: chosen from the model
     disable_reasoning: bool = False  # the default of a request's `thinking` flag
     reasoning_parser: str | None = None  # markers by name; None: from the chat template
+    ssl_certfile: str | None = None  # with ssl_keyfile: HTTPS on the API port (and the --ui-server one)
+    ssl_keyfile: str | None = None
     served_model_names: list[str] | None = None  # the first is listed and echoed; None: the model's own name
     strict_model_names: bool = False  # a request naming another model gets 404 (else any name is served)
     strict_max_tokens: bool = False  # max_tokens over the room left is a 400 (else clamped to it)
