@@ -256,18 +256,13 @@ def test_reasoning_parser_names_the_markers():
 def test_https_with_a_certificate(tmp_path, tiny_llama_path):
     """--ssl-certfile / --ssl-keyfile: the API answers HTTPS (a self-signed certificate made here)."""
     import json
-    import shutil
     import ssl
     import subprocess
     import sys
     import time
     import urllib.request
     from tests.conftest import free_port
-    if shutil.which("openssl") is None:
-        pytest.skip("no openssl to make a certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    cert, key = _self_signed(tmp_path)
     port = free_port()
     model = make_chat_model(tiny_llama_path, tmp_path / "m", PLAIN_TEMPLATE)
     proc = subprocess.Popen([sys.executable, "-m", "xinfer.cli", "--log-level", "warning", "serve", "--m", model,
@@ -291,3 +286,23 @@ def test_https_with_a_certificate(tmp_path, tiny_llama_path):
             assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] == 3
     finally:
         stop_server(proc)
+
+
+def _self_signed(folder):
+    """A certificate for 127.0.0.1 and its key, as PEM files."""
+    import datetime
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now)
+            .not_valid_after(now + datetime.timedelta(days=1)).sign(key, hashes.SHA256()))
+    cert_file, key_file = folder / "cert.pem", folder / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_file, key_file

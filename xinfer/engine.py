@@ -48,8 +48,9 @@ class Engine:
         self.tokenizer = info.tokenizer
         self.vocab_size = info.config["vocab_size"]
         if worker == "process":
-            self._rundir = Topology.create().rundir
-            runner = ProcessRunner(config, Topology(self._rundir), log_level)
+            topology = Topology.create()
+            self._rundir = topology.rundir
+            runner = ProcessRunner(config, topology, log_level)
         else:
             self._rundir = None
             runner = ModelRunner(config, info)

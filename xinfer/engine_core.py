@@ -92,7 +92,7 @@ class EngineCore:
     # ---- the step ----
     def step(self) -> list[Delta]:
         """One step: a Delta (without text) for every sequence that moved, in batch order."""
-        out = [self._delta(s, []) for s in self._zero] + self._expire()
+        out = [self.delta(s, []) for s in self._zero] + self._expire()
         self._zero = []
         if not self.scheduler.has_work():
             return out
@@ -113,13 +113,14 @@ class EngineCore:
                 self.num_cached_prompt_tokens += seq.num_cached_tokens or 0
             if seq.finish_reason:
                 self._remember(seq)
-            out.append(self._delta(seq, toks))
+            out.append(self.delta(seq, toks))
         return out
 
-    def _delta(self, seq: Sequence, toks: list[int]) -> Delta:
+    def delta(self, seq: Sequence, toks: list[int]) -> Delta:
+        """What `seq` adds with its new tokens `toks` (its whole output so far, for a resend)."""
         d = Delta(seq.seq_id, seq.request_id, seq.index, toks, "", seq.finish_reason, error=seq.error)
         if seq.params.logprobs is not None and toks:
-            d.logprobs = seq.logprobs[-1:]
+            d.logprobs = seq.logprobs[-len(toks):]
         if seq.params.prompt_logprobs is not None and len(seq.output_ids) <= 1:
             d.prompt_logprobs = [None] + seq.prompt_logprobs
         if seq.finish_reason and seq.scheduled_time is not None:
@@ -131,12 +132,18 @@ class EngineCore:
         limit = self.config.max_queue_wait
         if limit is None:
             return []
-        old = time.time() - limit
+        old, expired = time.time() - limit, []
+        for s in self.scheduler.waiting:
+            if s.scheduled_time is not None:  # preempted: it had its first step
+                continue
+            if s.arrival_time >= old:  # never-started ones wait in arrival order: the rest are newer
+                break
+            expired.append(s)
         out = []
-        for seq in [s for s in self.scheduler.waiting if s.scheduled_time is None and s.arrival_time < old]:
+        for seq in expired:
             seq.error = f"the request waited over {limit:g}s for a place in the running batch"
             self.abort(seq.seq_id, "timeout")
-            out.append(self._delta(seq, []))
+            out.append(self.delta(seq, []))
         return out
 
     def _strike(self, plan, why: str) -> list[Delta]:
@@ -155,7 +162,7 @@ class EngineCore:
             log.warning("request %s aborted: %s a second time", seq.request_id, why)
             seq.error = f"this request could not be run: {why}"
             self.abort(seq.seq_id, "error")
-            out.append(self._delta(seq, []))
+            out.append(self.delta(seq, []))
         return out
 
     def _remember(self, seq: Sequence) -> None:

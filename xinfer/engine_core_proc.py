@@ -99,6 +99,7 @@ class EngineCoreProc:
         self.to_detok = None
         self.orphaned = False
         self.last_stats = None  # the last Stats sent to the API
+        self._next_purge = 0.0
 
     # ---- the detokenizer -> parser pipeline ----
     def start_pipeline(self) -> None:
@@ -164,12 +165,10 @@ class EngineCoreProc:
 
     def _resend(self, e: _Live) -> TokenDelta:
         """A choice's whole output so far, as one delta."""
-        s = e.seq
-        reason = s.finish_reason if e.done_at else None
-        queue = max(0.0, s.scheduled_time - s.arrival_time) if reason and s.scheduled_time else 0.0
-        return TokenDelta(s.seq_id, pack_ids(s.output_ids), reason, s.num_cached_tokens or 0,
-                          s.logprobs if s.params.logprobs is not None else None,
-                          [None] + s.prompt_logprobs if s.params.prompt_logprobs is not None else None, queue)
+        d = self.core.delta(e.seq, e.seq.output_ids)
+        if e.seq.params.prompt_logprobs is not None:  # a first delta carries them
+            d.prompt_logprobs = [None] + e.seq.prompt_logprobs
+        return self._token_delta(d)
 
     # ---- the loop ----
     def serve(self) -> None:
@@ -193,15 +192,20 @@ class EngineCoreProc:
             t = time.perf_counter()
             deltas = core.step()
             log.debug("step %.1f ms, %d outputs", (time.perf_counter() - t) * 1e3, len(deltas))
-            out = [self._token_delta(d) for d in deltas if d.seq_id in self.live]
+            now = time.monotonic()
+            out = []
+            for d in deltas:
+                e = self.live.get(d.seq_id)
+                if e is not None:
+                    if d.finish_reason:
+                        e.done_at = now
+                    out.append(self._token_delta(d))
             # The counters first: they go straight to the API, the tokens through two more
             # processes, so /metrics already counts a request when its response ends.
             self._send_stats()
             self._send_tokens(out)
 
     def _token_delta(self, d: Delta) -> TokenDelta:
-        if d.finish_reason:
-            self.live[d.seq_id].done_at = time.monotonic()
         return TokenDelta(d.seq_id, pack_ids(d.token_ids), d.finish_reason, self.core.num_cached_tokens(d.seq_id),
                           d.logprobs, d.prompt_logprobs, d.queue_time, d.error)
 
@@ -256,5 +260,8 @@ class EngineCoreProc:
 
     def _purge(self) -> None:
         now = time.monotonic()
+        if now < self._next_purge:  # once a second is enough; each purge walks every live entry
+            return
+        self._next_purge = now + 1.0
         for sid in [sid for sid, e in self.live.items() if e.done_at and now - e.done_at > _KEEP_FINISHED_S]:
             del self.live[sid]

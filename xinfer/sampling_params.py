@@ -6,8 +6,9 @@ import msgspec
 from xinfer.errors import InvalidRequestError
 
 
-_INT64 = 2**63
-SEED_MASK = 2**63 - 1  # a sibling's seed (seed + i) stays within int64
+# Integers travel in int64 msgspec frames and torch tensors.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+SEED_MASK = INT64_MAX  # a sibling's seed (seed + i) stays within int64
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -47,7 +48,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         # Every integer travels in int64 msgspec frames and torch tensors: bound them here, at the edge.
         for name in ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and not -_INT64 <= v < _INT64:
+            if v is not None and not INT64_MIN <= v <= INT64_MAX:
                 bad(name, f"is out of range, got {v}")
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", f"must be >= 1, got {self.n}")

@@ -8,9 +8,9 @@ import re
 
 import msgspec
 
-from xinfer.api.schema import MAX_DEPTH, Sampling, ThinkingConfig, ToolCall
+from xinfer.api.schema import Sampling, ThinkingConfig, ToolCall
 from xinfer.loader.tokenizer import TEMPLATE_OWN_NAMES
-from xinfer.parsers.base import too_deep
+from xinfer.parsers.base import MAX_DEPTH, too_deep  # one nesting bound for bodies and model output
 from xinfer.sampling_params import SamplingParams
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs up to the context

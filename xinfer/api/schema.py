@@ -13,13 +13,14 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-MAX_DEPTH = 64  # arrays/objects in a body: templates, tojson and json.dumps recurse over them
+from xinfer.sampling_params import INT64_MAX, INT64_MIN
+
 MAX_MESSAGES = 4096
 MAX_TOOLS = 128  # also tool calls per history message
 MAX_STOP = 16
 MAX_TOKEN_MAP = 1024  # logit_bias keys, stop_token_ids
 
-I64_MIN, I64_MAX = -(2**63), 2**63 - 1  # integers travel as int64 (msgspec frames, torch tensors)
+I64_MIN, I64_MAX = INT64_MIN, INT64_MAX
 
 Int64 = Annotated[int, Meta(ge=I64_MIN, le=I64_MAX)]
 Count = Annotated[int, Meta(ge=0, le=I64_MAX)]
@@ -37,13 +38,6 @@ StopTokenIds = Annotated[list[TokenId], Meta(max_length=MAX_TOKEN_MAP)]
 class Body(Struct, kw_only=True):
     """Fields every body may carry."""
     model: str | None = None
-
-    def get(self, name: str, default=None):
-        """A field as plain JSON values, for code that reads a body like a dict (streaming.py)."""
-        v = getattr(self, name, default)
-        return msgspec.to_builtins(v) if isinstance(v, (Struct, list, dict)) else v
-
-    __getitem__ = get
 
 
 # ---- messages and tools: what a chat template sees ----

@@ -9,6 +9,8 @@ import os
 import time
 import uuid
 
+import msgspec
+
 from sanic import response
 
 from xinfer import envs
@@ -86,7 +88,7 @@ def _echoed(s: ApiState, body, prompts, params, states, idx) -> tuple[str, dict 
 
 
 def _echo(s: ApiState, body, prompts, p_i) -> str:
-    p = body["prompt"]
+    p = body.prompt
     if isinstance(p, str):
         return p
     if isinstance(p[0], str):
@@ -99,7 +101,7 @@ async def respond(s: ApiState, request, body, prompts, params, spec, chat: bool)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     base = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": s.model_name}
-    if body.get("stream"):
+    if body.stream:
         return await _stream(s, request, rid, base, prompts, params, spec, chat, body)
     n = params.n
     states = [ChoiceState() for _ in range(len(prompts) * n)]
@@ -120,7 +122,7 @@ async def respond(s: ApiState, request, body, prompts, params, spec, chat: bool)
             choices.append({"index": idx, "message": msg, "logprobs": lp, "finish_reason": st.finish_reason})
         else:
             text, lp = "".join(st.content), None
-            if body.get("echo"):
+            if body.echo:
                 prefix, lp = _echoed(s, body, prompts, params, states, idx)
                 text = prefix + text
             if params.logprobs is not None:
@@ -134,8 +136,9 @@ async def respond(s: ApiState, request, body, prompts, params, spec, chat: bool)
 
 
 async def _stream(s: ApiState, request, rid, base, prompts, params, spec, chat, body):
-    options = body.get("stream_options") or {}
-    include_usage, continuous = bool(options.get("include_usage")), bool(options.get("continuous_usage_stats"))
+    options = body.stream_options
+    include_usage = bool(options and options.include_usage)
+    continuous = bool(options and options.continuous_usage_stats)
     chunk_kind = "chat.completion.chunk" if chat else "text_completion"
     resp = await request.respond(content_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -159,7 +162,7 @@ async def _stream(s: ApiState, request, rid, base, prompts, params, spec, chat, 
             for i in range(len(states)):  # one choice per chunk, as clients read choices[0]
                 await send([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}])
-        elif body.get("echo"):
+        elif body.echo:
             for i in range(len(states)):
                 text_len[i] = len(_echo(s, body, prompts, i // n))
         echoed = set()
@@ -178,7 +181,7 @@ async def _stream(s: ApiState, request, rid, base, prompts, params, spec, chat, 
                     await send([{"index": idx, "delta": delta, "logprobs": lp, "finish_reason": reason}])
                 continue
             text, lp = o.text, None
-            if body.get("echo") and idx not in echoed:
+            if body.echo and idx not in echoed:
                 echoed.add(idx)
                 prefix, lp = _echoed(s, body, prompts, params, states, idx)
                 text = prefix + text
@@ -211,7 +214,7 @@ def _log_chat(s: ApiState, body, choices):
     try:
         os.makedirs("log", exist_ok=True)
         line = _dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": s.model_name,
-                       "messages": body.get("messages"), "choices": choices})
+                       "messages": msgspec.to_builtins(body.messages), "choices": choices})
         with open(os.path.join("log", time.strftime("chat-%Y%m%d.jsonl")), "a") as f:
             f.write(line + "\n")
     except OSError as e:

@@ -22,6 +22,7 @@ characters, so that family derives such ids from the same prefix and index.
 """
 from __future__ import annotations
 
+import abc
 import json
 import logging
 import re
@@ -133,7 +134,7 @@ class Balance:
 _BAD = object()  # a complete value that is not what we wanted
 
 
-class ToolParser:
+class ToolParser(abc.ABC):
     """One request choice's output, fed as it streams: `feed(text)` and at the end `finish()`
     each return (content delta, [ToolCallChunk]). A call comes out as one chunk (id, name and
     its whole arguments JSON, so offset 0) once it is complete; text that is not a well-formed
@@ -232,10 +233,10 @@ class ToolParser:
             break
         return "".join(content), calls
 
+    @abc.abstractmethod
     def _section(self, buf: str, off: int, final: bool) -> tuple[int, list | None] | None:
         """The call section starting at buf[off]: None while incomplete (never when final),
         else (chars of buf it takes, [(name, args), ...] or None when it does not parse)."""
-        raise NotImplementedError
 
     def _accept(self, parsed: list[tuple[str, dict]]) -> list[ToolCallChunk]:
         out = []
@@ -309,9 +310,9 @@ class MarkedCalls(ToolParser):
         super().__init_subclass__(**kw)
         cls.starts = tuple(cls.SECTIONS)
 
+    @abc.abstractmethod
     def _call(self, inner: str) -> tuple[str, dict] | None:
         """(name, arguments) from what is between CALL_BEGIN and CALL_END, or None: not a call."""
-        raise NotImplementedError
 
     def _section(self, buf, off, final):
         begin = next(b for b in self.SECTIONS if buf.startswith(b, off))
