@@ -4,6 +4,7 @@ offline (bench.cmd_offline), with what they share in bench.common."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from bench import cmd_compare, cmd_curve, cmd_fuzz, cmd_offline, cmd_serve, cmd_soak
@@ -49,6 +50,8 @@ def add_load_args(p: argparse.ArgumentParser, url: bool = True) -> None:
     g.add_argument("--no-exact", dest="exact", action="store_false",
                    help="don't send ignore_eos/min_tokens (for servers that refuse them)")
     g.add_argument("--temperature", type=float, default=None, help="default: the server's")
+    g.add_argument("--extra-body", type=json.loads, default=None, metavar="JSON",
+                   help="fields merged into every request body, e.g. a response_format (structured outputs)")
     g = p.add_argument_group("results")
     g.add_argument("--slo-ttft", type=float, default=None, help="goodput SLO on TTFT, ms")
     g.add_argument("--slo-tpot", type=float, default=None, help="goodput SLO on TPOT, ms")

@@ -119,7 +119,8 @@ def load_config(args, base_url: str, model: str) -> load.LoadConfig:
     return load.LoadConfig(base_url=base_url, model=model, endpoint=args.endpoint, stream=args.stream,
                            exact=args.exact, temperature=args.temperature, concurrency=args.concurrency,
                            request_rate=args.request_rate, arrival=args.arrival, num_requests=num,
-                           duration=args.duration, timeout=args.request_timeout)
+                           duration=args.duration, timeout=args.request_timeout,
+                           extra_body=getattr(args, "extra_body", None) or {})
 
 
 def with_seed(args, seed: int) -> argparse.Namespace:

@@ -33,10 +33,21 @@ class SamplingBatch:
     all_greedy: bool
     num_logprobs: int | None  # max top-k alternatives asked for in the batch; None = no logprobs
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None  # rows restricted to these (row, token id) pairs
+    grammar: tuple[torch.Tensor, torch.Tensor] | None = None  # rows, int32 bitmask words [R, ceil(V/32)]
+
+
+def allowed_by_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 bitmask words [R, W] (bit j of word i: token 32 i + j allowed) -> bool [R, vocab_size]."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    bits = (words[:, :, None] >> shifts) & 1
+    return bits.reshape(words.shape[0], -1)[:, :vocab_size].bool()
 
 
 def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     B, V = logits.shape
+    if b.grammar is not None:  # structured outputs first: what the grammar rules out never comes back
+        rows, words = b.grammar
+        logits[rows] = logits[rows].masked_fill(~allowed_by_bitmask(words, V), float("-inf"))
     if b.bias is not None:
         rows, ids, vals = b.bias
         logits.index_put_((rows, ids), vals, accumulate=True)
@@ -73,7 +84,8 @@ def sample(logits: torch.Tensor, b: SamplingBatch):
     """logits [B, V] float32 -> (token ids [B], logprobs or None).
     logprobs are from the model's raw distribution: (chosen [B], top ids [B, k], top values [B, k])."""
     raw = logits
-    if (b.bias is not None or b.banned is not None or b.allowed is not None or b.repetition_penalty is not None
+    if (b.grammar is not None or b.bias is not None or b.banned is not None or b.allowed is not None
+            or b.repetition_penalty is not None
             or b.presence_penalty is not None or b.frequency_penalty is not None):
         logits = apply_penalties(logits.clone(), b)  # in place on a copy: logprobs read `raw`
     greedy_tokens = logits.argmax(dim=-1)

@@ -81,6 +81,7 @@ def cmd_serve(args) -> int:
                        request_timeout=args.request_timeout,
                        max_request_bytes=args.max_request_bytes,
                        enforce_parser=args.enforce_parser, disable_reasoning=args.disable_reasoning,
+                       enable_tool_grammar=args.enable_tool_grammar,
                        reasoning_parser=args.reasoning_parser,
                        ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
                        served_model_names=args.served_model_name, strict_model_names=args.strict_model_names,
@@ -164,6 +165,9 @@ def main(argv=None) -> int:
     s.add_argument("--reasoning-parser", default=None,
                    help=f"reasoning markers by name ({', '.join(REASONING_PARSERS)}; none: no reasoning split); "
                         "default: from the chat template")
+    s.add_argument("--enable-tool-grammar", action="store_true",
+                   help="with tool_choice auto, a tool call the model opens is held to its JSON schema by "
+                        "a grammar (forced calls always are)")
     s.add_argument("--disable-reasoning", action="store_true",
                    help="requests think only when they ask to (the default of their 'thinking' flag)")
     s.add_argument("--sse-keepalive", type=float, default=15.0,

@@ -35,6 +35,7 @@ class EngineConfig:
     # None: waits as long as it takes (offline batches). `xinfer serve` defaults to 120.
     max_queue_wait: float | None = None
     chat_template: str | None = None  # a Jinja file replacing (or supplying) the model's chat template
+    grammar_compile_timeout: float = 30.0  # seconds a structured output's grammar may take to compile
 
     def read_chat_template(self) -> str | None:
         """--chat-template's text; a file that cannot be read is a start-up error naming it."""
@@ -56,6 +57,8 @@ class EngineConfig:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.max_queue_wait is not None and not self.max_queue_wait > 0:
             raise ValueError(f"--max-queue-wait must be > 0 seconds, got {self.max_queue_wait}")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"--grammar-compile-timeout must be > 0 seconds, got {self.grammar_compile_timeout}")
         if not self.restart_window > 0:
             raise ValueError(f"--restart-window must be > 0 seconds, got {self.restart_window}")
         if self.quantization not in QUANTIZATIONS:

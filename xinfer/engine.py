@@ -68,6 +68,9 @@ class Engine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> list[int]:
         """Check and queue one request; returns the seq ids of its n choices."""
+        return [s.seq_id for s in self._add(prompt, params, request_id)]
+
+    def _add(self, prompt, params, request_id=None) -> list[Sequence]:
         params = params or self.default_params
         ids = self._prompt_ids(prompt)
         tokenize_bad_words(self.tokenizer, params)
@@ -79,7 +82,7 @@ class Engine:
                 self._detok[s.seq_id] = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
                                                                params.skip_special_tokens,
                                                                params.include_stop_str_in_output)
-        return [s.seq_id for s in seqs]
+        return seqs
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -136,14 +139,9 @@ class Engine:
     def generate(self, prompts, params=None) -> list[RequestOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        order, outs = [], {}
-        for p, sp in zip(prompts, self._params_list(params, len(prompts))):
-            for sid in self.add_request(p, sp):
-                order.append(sid)
-                outs[sid] = None
-        seqs = {}
-        for sid in order:
-            seqs[sid] = self.core.scheduler.seqs.get(sid) or next(s for s in self.core._zero if s.seq_id == sid)
+        seqs = {s.seq_id: s for p, sp in zip(prompts, self._params_list(params, len(prompts)))
+                for s in self._add(p, sp)}
+        order = list(seqs)
         texts = {sid: [] for sid in order}
         while self.has_unfinished():
             for d in self.step():

@@ -10,6 +10,7 @@ in the API process or in the offline Engine.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import time
@@ -22,6 +23,7 @@ from xinfer.kv_cache import BlockManager
 from xinfer.loader import ModelInfo
 from xinfer.sampling_params import SEED_MASK, SamplingParams
 from xinfer.scheduler import FINISHED, Scheduler, Sequence
+from xinfer.structured import Grammars
 from xinfer.workers.runner import RestartBudget, Runner, WorkerDied
 
 log = logging.getLogger("xinfer.engine_core")
@@ -59,6 +61,9 @@ class EngineCore:
         self.restart_budget = RestartBudget(config.max_restarts, config.restart_window)
         self._ids = itertools.count()
         self._zero: list[Sequence] = []  # max_tokens=0 requests: finished without running
+        self.grammars = Grammars(info.tokenizer, info.config["vocab_size"], info.eos_token_ids)
+        # constrained requests whose grammar compiles (off the loop): (future, choices, deadline)
+        self._compiling: list[tuple[concurrent.futures.Future, list[Sequence], float]] = []
         self.finished: OrderedDict[int, Sequence] = OrderedDict()
         self.num_prompt_tokens = self.num_generation_tokens = self.num_cached_prompt_tokens = 0
 
@@ -73,17 +78,87 @@ class EngineCore:
             for s in seqs:
                 s.status, s.finish_reason, s.finish_time = FINISHED, "length", time.time()
             self._zero.extend(seqs)
+        elif params.structured is not None:
+            deadline = time.monotonic() + self.config.grammar_compile_timeout
+            self._compiling.append((self.grammars.submit(params.structured), seqs, deadline))
         else:
             self.scheduler.add(seqs[0], seqs[1:])
         return seqs
 
     def abort(self, seq_id: int, reason: str = "abort") -> None:
         seq = self.scheduler.abort(seq_id, reason)
-        if seq is not None:
-            self._remember(seq)
+        if seq is None:
+            seq = self._drop_compiling(seq_id)
+            if seq is None:
+                return
+            seq.status, seq.finish_reason, seq.finish_time = FINISHED, reason, time.time()
+        seq.grammar = None
+        self._remember(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._zero)
+        return self.scheduler.has_work() or bool(self._zero) or bool(self._compiling)
+
+    # ---- structured outputs ----
+    def _drop_compiling(self, seq_id: int) -> Sequence | None:
+        for entry in self._compiling:
+            for seq in entry[1]:
+                if seq.seq_id == seq_id:
+                    entry[1].remove(seq)
+                    if not entry[1]:
+                        self._compiling.remove(entry)
+                    return seq
+        return None
+
+    def _admit_compiled(self) -> list[Delta]:
+        """Constrained requests whose grammar is ready join the scheduler; a grammar that failed
+        (or ran past --grammar-compile-timeout) ends its request with the reason."""
+        if not self.scheduler.has_work():  # nothing else to do: wait a little instead of spinning
+            concurrent.futures.wait([f for f, _, _ in self._compiling], timeout=0.01,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        out, now, keep = [], time.monotonic(), []
+        for fut, seqs, deadline in self._compiling:
+            if not fut.done() and now < deadline:
+                keep.append((fut, seqs, deadline))
+                continue
+            error = None
+            if not fut.done():
+                fut.cancel()
+                error = f"the grammar did not compile within {self.config.grammar_compile_timeout:g}s"
+            elif fut.exception() is not None:
+                error = f"the grammar did not compile: {fut.exception()}"
+            if error is None:
+                compiled = fut.result()
+                for seq in seqs:
+                    seq.grammar = self.grammars.matcher(compiled)
+                self.scheduler.add(seqs[0], seqs[1:])
+                continue
+            log.info("request %s refused: %s", seqs[0].request_id, error)
+            for seq in seqs:
+                seq.status, seq.finish_reason, seq.finish_time, seq.error = FINISHED, "error", time.time(), error
+                self._remember(seq)
+                out.append(self.delta(seq, []))
+        self._compiling = keep
+        return out
+
+    def _masks(self, plan) -> None:
+        """The allowed-token bitmasks of the constrained sequences that sample in this step."""
+        seqs = self.scheduler.seqs
+        todo = [(s.seq_id, seqs[s.seq_id].grammar) for s in plan.scheduled
+                if seqs[s.seq_id].grammar is not None
+                and seqs[s.seq_id].num_computed + s.num_tokens >= seqs[s.seq_id].num_tokens]
+        if todo:
+            plan.mask_seq_ids = [sid for sid, _ in todo]
+            plan.masks = self.grammars.bitmask([m for _, m in todo])
+
+    def _advance_grammar(self, seq: Sequence, tok: int | None) -> None:
+        if not seq.finish_reason and tok is not None:
+            if not seq.grammar.accept_token(tok):  # only when another rule banned every allowed token
+                seq.error = "the output could not continue within its grammar (min_tokens or a ban conflicts with it)"
+                self.scheduler.abort(seq.seq_id, "error")
+            elif seq.grammar.is_terminated():  # the grammar is complete: the generation ends here
+                self.scheduler.abort(seq.seq_id, "stop")
+        if seq.finish_reason:
+            seq.grammar = None
 
     def num_cached_tokens(self, seq_id: int) -> int:
         seq = self.scheduler.seqs.get(seq_id) or self.finished.get(seq_id)
@@ -94,9 +169,12 @@ class EngineCore:
         """One step: a Delta (without text) for every sequence that moved, in batch order."""
         out = [self.delta(s, []) for s in self._zero] + self._expire()
         self._zero = []
+        if self._compiling:
+            out += self._admit_compiled()
         if not self.scheduler.has_work():
             return out
         plan = self.scheduler.schedule()
+        self._masks(plan)
         try:
             result = self.runner.execute(plan)
         except WorkerDied as e:
@@ -106,6 +184,8 @@ class EngineCore:
             self.scheduler.reset_worker_state()
             return out + self._strike(plan, f"the model step failed ({result.error})")
         for seq, tok in self.scheduler.update(result):
+            if seq.grammar is not None:
+                self._advance_grammar(seq, tok)
             toks = [] if tok is None else [tok]
             self.num_generation_tokens += len(toks)
             if len(seq.output_ids) <= 1 and (toks or seq.finish_reason):
@@ -200,4 +280,5 @@ class EngineCore:
                      self.runner.restarts, [(c, n, t) for c, (n, t) in self.restart_budget.seconds.items()])
 
     def close(self) -> None:
+        self.grammars.close()
         self.runner.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import msgspec
 
 from xinfer.errors import InvalidRequestError
+from xinfer.structured import StructuredOutput, check as check_structured
 
 
 # Integers travel in int64 msgspec frames and torch tensors.
@@ -34,6 +35,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (echo)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # a matched stop string stays at the end of the text
+    structured: StructuredOutput | None = None  # the output follows this grammar (xinfer/structured.py)
 
     @property
     def greedy(self) -> bool:
@@ -93,6 +95,8 @@ def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int
     in the KV cache. Raises InvalidRequestError naming the field. `clamp`: a max_tokens over the
     room left after the prompt is lowered to it (the choice then ends with "length") instead."""
     params.validate(vocab_size)
+    if params.structured is not None:
+        check_structured(params.structured)
     if not prompt_ids:
         raise InvalidRequestError("prompt is empty", param="prompt")
     bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)

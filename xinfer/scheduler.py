@@ -47,6 +47,7 @@ class Sequence:
     index: int = 0  # which of its request's n choices
     strikes: int = 0  # failed steps it was in (a worker crash or a step that raised)
     error: str | None = None  # why it ended with finish_reason "error"
+    grammar: object = None  # structured outputs: its xgrammar matcher, advanced with every token
 
     @property
     def tokens(self) -> list[int]:

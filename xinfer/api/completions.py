@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from sanic import Sanic
 
+from xinfer.api.constraints import checked, requested
 from xinfer.api.protocol import completion_prompts, decode, sampling_params, warn_unknown_fields
 from xinfer.api.schema import CompletionRequest
 from xinfer.api.state import ApiState
@@ -19,6 +20,12 @@ def register(app: Sanic, s: ApiState, protected) -> None:
             warn_unknown_fields(request.body, CompletionRequest)
             s.check_model(body.model)
             params = sampling_params(body, chat=False, max_n=s.opts.max_n)
-            prompts = await s.offload(completion_prompts, s.tok, body, s.opts.max_prompts)
+            params.structured = requested(body)
+            prompts = await s.offload(_prepare, s, body, params)
             s.check(prompts, params)
             return await respond(s, request, body, prompts, params, None, chat=False)
+
+
+def _prepare(s: ApiState, body, params) -> list[list[int]]:
+    checked(params.structured)
+    return completion_prompts(s.tok, body, s.opts.max_prompts)

@@ -75,7 +75,7 @@ class EngineClient:
         record = self.metrics.request(len(prompt_ids))
         seen = [_Seen() for _ in range(params.n)]
         finished = set()
-        stop_after_call = parse is not None and parse.single_call
+        stop_after_call = parse is not None and parse.single_call and not parse.held  # held: the grammar ends it
         getter = None
         try:
             await self.push.send(self.tx.encode(GenerateRequest(request_id, pack_ids(prompt_ids), params, parse)))

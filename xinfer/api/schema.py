@@ -106,6 +106,34 @@ class StreamOptions(Struct, kw_only=True):
     continuous_usage_stats: bool | None = None  # every chunk carries the usage so far (vLLM)
 
 
+# ---- structured outputs (xinfer/api/constraints.py turns these into one StructuredOutput) ----
+
+Spec = Annotated[str, Meta(max_length=1 << 20)]
+Choices = Annotated[list[Annotated[str, Meta(max_length=4096)]], Meta(min_length=1, max_length=4096)]
+
+
+class JsonSchemaSpec(Struct, kw_only=True):
+    name: str | None = None
+    schema: dict[str, Any] | bool | None = None  # None: any JSON object
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(Struct, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
+class StructuredOutputs(Struct, kw_only=True):
+    """vLLM's structured_outputs: one of these."""
+    json: dict[str, Any] | bool | Spec | None = None
+    regex: Spec | None = None
+    choice: Choices | None = None
+    grammar: Spec | None = None
+    structural_tag: dict[str, Any] | Spec | None = None
+    json_object: bool | None = None
+
+
 # ---- the route bodies ----
 
 class Sampling(Body, kw_only=True):
@@ -133,12 +161,22 @@ class Sampling(Body, kw_only=True):
     allowed_token_ids: Annotated[list[TokenId], Meta(min_length=1, max_length=1 << 20)] | None = None
     bad_words: Annotated[list[Annotated[str, Meta(min_length=1, max_length=256)]], Meta(max_length=64)] | None = None
     prompt_logprobs: TopN | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | bool | Spec | None = None  # vLLM's older spellings
+    guided_regex: Spec | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: Spec | None = None
+    guided_decoding_backend: str | None = None  # accepted, ignored: xgrammar serves them all
+    json_schema: dict[str, Any] | bool | None = None  # llama-server's spellings
+    grammar: Spec | None = None
 
 
 class ChatRequest(Sampling, kw_only=True):
     messages: Messages
     tools: Tools | None = None
     tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call
     chat_template_kwargs: TemplateKwargs | None = None
     thinking: Thinking | None = None
     enable_thinking: bool | None = None

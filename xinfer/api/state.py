@@ -29,6 +29,7 @@ class ApiOptions:
     max_request_bytes: int = 8 << 20
     enforce_parser: str | None = None  # tool-call parser; None: chosen from the model
     disable_reasoning: bool = False  # the default of a request's `thinking` flag
+    enable_tool_grammar: bool = False  # tool_choice auto: a call, once it opens, follows its schema
     reasoning_parser: str | None = None  # markers by name; None: from the chat template
     ssl_certfile: str | None = None  # with ssl_keyfile: HTTPS on the API port (and the --ui-server one)
     ssl_keyfile: str | None = None

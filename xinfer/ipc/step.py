@@ -41,6 +41,10 @@ class StepPlan(msgspec.Struct, array_like=True, tag="plan"):
     new_seqs: list[NewSeq]
     scheduled: list[Scheduled]  # in batch order; NewSeqs are scheduled here too
     dropped: list[int]  # finished or preempted: forget them
+    # Structured outputs: the sequences sampling under a grammar this step, and their allowed
+    # tokens as int32 bitmask rows (ceil(vocab / 32) words each, bit set: allowed), in that order
+    mask_seq_ids: list[int] = []
+    masks: bytes = b""
 
 
 class StepResult(msgspec.Struct, array_like=True, tag="result"):

@@ -22,6 +22,7 @@ class ParseSpec(msgspec.Struct, array_like=True):
     in_reasoning: bool = False  # the prompt opened the reasoning block
     id_prefix: str = "call"
     single_call: bool = False  # a named tool_choice: the choice ends with its first call
+    held: bool = False  # a grammar holds the reply to the calls' format: their arguments stream
 
 
 class SeqInit(msgspec.Struct, array_like=True):

@@ -180,6 +180,17 @@ class ToolParser(abc.ABC):
     def forced_prefix(cls, function_name: str | None) -> str | None:
         return None
 
+    # The tool grammar (xinfer/parsers/grammar.py): a call of NAME is call_tag(NAME)[0], then its
+    # arguments in ARGS_STYLE (xgrammar's "json" or one of its XML styles), then call_tag(NAME)[1];
+    # several calls sit between SECTION[0] and SECTION[2], SECTION[1] apart.
+    ARGS_STYLE = "json"
+    SECTION = ("", "\n", "")
+
+    @classmethod
+    def call_tag(cls, function_name: str) -> tuple[str, str] | None:
+        """(text before the arguments, text after them) of a call; None: no grammar for it."""
+        return None
+
     # ---- the state machine ----
 
     def _take(self, n: int) -> str:

@@ -6,6 +6,7 @@ import logging
 
 from xinfer.ipc.text import ParseSpec, TextBatch, ToolCallChunk
 from xinfer.parsers.base import get_tool_parser
+from xinfer.parsers.grammar import HeldCalls
 from xinfer.parsers.reasoning import ReasoningParser
 
 # the parser process's logger, as before this code moved out of it
@@ -20,6 +21,8 @@ class ChoiceParser:
         self.tools = None
         if spec.tool_parser != "passthrough":
             self.tools = get_tool_parser(spec.tool_parser)(spec.tools, spec.id_prefix, prefix=spec.prefix)
+            if spec.held:
+                self.tools = HeldCalls(self.tools, list(self.tools.schemas))
         self.content_sent = self.reasoning_sent = 0
         self.args_sent: dict[int, int] = {}
         self.single_call, self.called = spec.single_call, False
@@ -36,7 +39,7 @@ class ChoiceParser:
                 c, more = self.tools.finish()
                 content, calls = content + c, calls + more
         if self.single_call and (self.called or calls):  # nothing after the one call asked for
-            content, calls, self.called = "", calls[:1] if not self.called else [], True
+            content, calls, self.called = "", [c for c in calls if c.index == 0], True
         for c in calls:
             # kept here like content_sent, so a parser may also send a call's arguments in pieces
             c.offset = self.args_sent.get(c.index, 0)

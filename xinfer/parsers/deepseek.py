@@ -46,3 +46,11 @@ class DeepSeekToolParser(MarkedCalls):
         if function_name is None:
             return cls.CALLS_BEGIN + cls.CALL_BEGIN
         return cls.CALLS_BEGIN + cls.CALL_BEGIN + function_name + cls.SEP
+
+    SECTION = (CALLS_BEGIN, "", CALLS_END)
+
+    @classmethod
+    def call_tag(cls, function_name):  # the V3.1 form; the parser reads both
+        if cls.CALL_END in function_name or cls.SEP in function_name:
+            return None
+        return cls.CALL_BEGIN + function_name + cls.SEP, cls.CALL_END

@@ -60,6 +60,13 @@ class Glm45ToolParser(QwenToolParser):
             return None
         return f"<tool_call>{function_name}{cls.AFTER_NAME}"
 
+    ARGS_STYLE = "glm_xml"
+
+    @classmethod
+    def call_tag(cls, function_name):
+        prefix = cls.forced_prefix(function_name)
+        return None if prefix is None else (prefix, cls.END)
+
 
 @register
 class Glm47ToolParser(Glm45ToolParser):

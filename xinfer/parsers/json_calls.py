@@ -25,3 +25,7 @@ class JsonToolParser(ToolParser):
         if function_name is None:
             return '{"name": '
         return '{"name": ' + json.dumps(function_name, ensure_ascii=False) + f', "{cls.args_key}": '
+
+    @classmethod
+    def call_tag(cls, function_name):
+        return cls.forced_prefix(function_name), "}"

@@ -37,3 +37,10 @@ class KimiK2ToolParser(MarkedCalls):
         if not _CALL_ID.fullmatch(function_name) or ":" in function_name:
             return None
         return head + f"functions.{function_name}:0" + cls.ARGS
+
+    SECTION = ("<|tool_calls_section_begin|>", "", "<|tool_calls_section_end|>")
+
+    @classmethod
+    def call_tag(cls, function_name):
+        prefix = cls.forced_prefix(function_name)
+        return None if prefix is None else (prefix[len(cls.SECTION[0]):], cls.CALL_END)

@@ -15,6 +15,7 @@ class LlamaToolParser(JsonToolParser):
     leading = "{"
     gap = WS + ";"
     args_key = "parameters"
+    SECTION = ("", "; ", "")
 
     def _section(self, buf, off, final):
         i = off

@@ -56,3 +56,12 @@ class MiniMaxM2ToolParser(TaggedCalls):
         if '"' in function_name or "<" in function_name or ">" in function_name:
             return None
         return cls.START + f'\n<invoke name="{function_name}">\n'
+
+    ARGS_STYLE = "minimax_xml"
+    SECTION = (START + "\n", "\n", "\n" + END)
+
+    @classmethod
+    def call_tag(cls, function_name):
+        if cls.forced_prefix(function_name) is None:
+            return None
+        return f'<invoke name="{function_name}">\n', "\n</invoke>"

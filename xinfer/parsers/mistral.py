@@ -67,3 +67,9 @@ class MistralToolParser(ToolParser):
             return cls.MARK
         # the JSON-list form: both tokenizer generations parse it
         return cls.MARK + '[{"name": ' + json.dumps(function_name, ensure_ascii=False) + ', "arguments": '
+
+    SECTION = (MARK + "[", ", ", "]")
+
+    @classmethod
+    def call_tag(cls, function_name):
+        return '{"name": ' + json.dumps(function_name, ensure_ascii=False) + ', "arguments": ', "}"

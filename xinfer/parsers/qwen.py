@@ -33,3 +33,7 @@ class QwenToolParser(TaggedCalls):
         if function_name is None:
             return "<tool_call>\n"
         return '<tool_call>\n{"name": ' + json.dumps(function_name, ensure_ascii=False) + ', "arguments": '
+
+    @classmethod
+    def call_tag(cls, function_name):
+        return cls.forced_prefix(function_name), "}\n" + cls.END

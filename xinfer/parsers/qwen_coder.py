@@ -74,3 +74,11 @@ class QwenCoderToolParser(QwenToolParser):
         if function_name is None:
             return "<tool_call>\n"
         return f"<tool_call>\n<function={function_name}>\n"
+
+    ARGS_STYLE = "qwen_xml"
+
+    @classmethod
+    def call_tag(cls, function_name):
+        if "<" in function_name or ">" in function_name or "\n" in function_name:
+            return None
+        return cls.forced_prefix(function_name), "\n</function>\n" + cls.END

@@ -161,7 +161,12 @@ class ModelRunner:
         if not sample_seqs:
             return StepResult(plan.step_id, [], b"", [], prompt_lps)
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
-        tokens, lps = sample(logits, self._sampling_batch([self.seqs[i] for i in sample_seqs]))
+        batch = self._sampling_batch([self.seqs[i] for i in sample_seqs])
+        if plan.mask_seq_ids:
+            row = {sid: i for i, sid in enumerate(sample_seqs)}
+            words = torch.from_numpy(np.frombuffer(plan.masks, dtype=np.int32).reshape(len(plan.mask_seq_ids), -1).copy())
+            batch.grammar = (torch.tensor([row[sid] for sid in plan.mask_seq_ids], device=dev), words.to(dev))
+        tokens, lps = sample(logits, batch)
         tokens = tokens.tolist()
         for sid, t in zip(sample_seqs, tokens):
             self.seqs[sid].tokens.append(t)
