@@ -181,6 +181,16 @@ def test_continue_final_message_through_the_server(srv):
     assert status == 400 and body["error"]["param"] == "continue_final_message"
 
 
+def test_request_chat_template_needs_the_flag(srv):
+    """Without --trust-request-chat-template a request's own template is a 400 (vLLM's rule); the
+    rest, with the flag on, is in tests/test_request_fields.py."""
+    own = "{{ messages[0].content }}"
+    for path, extra in (("/v1/chat/completions", {"chat_template": own}), ("/tokenize", {"chat_template": own}),
+                        ("/v1/chat/completions", {"chat_template_kwargs": {"chat_template": own}})):
+        status, err = call(srv.base, path, {"messages": HI, "max_tokens": 1, **extra})
+        assert status == 400 and "--trust-request-chat-template" in err["error"]["message"], (path, err)
+
+
 def test_bad_words_and_allowed_token_ids_through_the_server(srv):
     def completion(**kw):
         status, body = call(srv.base, "/v1/completions", {"prompt": "ab", "max_tokens": 20, "temperature": 0, **kw})

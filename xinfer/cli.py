@@ -6,7 +6,7 @@ import dataclasses
 import sys
 import time
 
-from xinfer import envs
+from xinfer import chat_cli, envs
 from xinfer.config import EngineConfig
 from xinfer.errors import XinferError
 from xinfer.launch import launch
@@ -82,6 +82,7 @@ def cmd_serve(args) -> int:
                        max_request_bytes=args.max_request_bytes,
                        enforce_parser=args.enforce_parser, disable_reasoning=args.disable_reasoning,
                        enable_tool_grammar=args.enable_tool_grammar,
+                       trust_request_chat_template=args.trust_request_chat_template,
                        reasoning_parser=args.reasoning_parser,
                        ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
                        served_model_names=args.served_model_name, strict_model_names=args.strict_model_names,
@@ -92,6 +93,12 @@ def cmd_serve(args) -> int:
                        max_connections_per_client=args.max_connections_per_client)
     return launch(engine_config(args), args.host, args.port, args.log_level, args.max_queued_requests,
                   args.drain_timeout, args.startup_timeout, api_options)
+
+
+def cmd_chat(args) -> int:
+    if args.url is None:
+        args.engine_config = engine_config(args)
+    return chat_cli.cmd_chat(args)
 
 
 def main(argv=None) -> int:
@@ -168,6 +175,9 @@ def main(argv=None) -> int:
     s.add_argument("--enable-tool-grammar", action="store_true",
                    help="with tool_choice auto, a tool call the model opens is held to its JSON schema by "
                         "a grammar (forced calls always are)")
+    s.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a request's own 'chat_template' (vLLM's flag): it renders sandboxed, time-boxed "
+                        "and size-capped; without the flag such a request is a 400")
     s.add_argument("--disable-reasoning", action="store_true",
                    help="requests think only when they ask to (the default of their 'thinking' flag)")
     s.add_argument("--sse-keepalive", type=float, default=15.0,
@@ -177,6 +187,13 @@ def main(argv=None) -> int:
     s.add_argument("--startup-timeout", type=float, default=600.0,
                    help="seconds every process may take to start (loading a big model takes a while)")
     s.set_defaults(func=cmd_serve)
+
+    c = sub.add_parser("chat", help="chat in the terminal (engine in this process, or --url of a server)")
+    # Warnings only by default: the loading messages would bury the prompt.
+    c.add_argument("--log-level", default="warning", choices=log_levels)
+    add_engine_args(c)
+    chat_cli.add_chat_args(c)
+    c.set_defaults(func=cmd_chat)
 
     args = parser.parse_args(argv)
     setup_logging(args.log_level, "xinfer::launch" if args.command == "serve" else "xinfer")

@@ -5,14 +5,17 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import numpy as np
+
 from xinfer.config import EngineConfig
 from xinfer.detokenizer import IncrementalDetokenizer
 from xinfer.engine_core import Delta, EngineCore
 from xinfer.errors import InvalidRequestError
 from xinfer.ipc.topology import Topology
 from xinfer.loader import load_model_info
-from xinfer.sampling_params import SamplingParams, check_request, tokenize_bad_words
+from xinfer.sampling_params import SamplingParams, check_request, embedding_params, tokenize_bad_words
 from xinfer.scheduler import Sequence
+from xinfer.structured import check as check_structured
 from xinfer.workers.model_runner import ModelRunner
 from xinfer.workers.worker import ProcessRunner
 
@@ -27,7 +30,7 @@ class RequestOutput:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     logprobs: list | None = None  # per token: (logprob, [(token id, logprob), ...])
-    prompt_logprobs: list | None = None  # per prompt token: None for the first, then as logprobs
+    prompt_logprobs: list | None = None  # per prompt token: None for the first, then as logprobs + its rank
     queued_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
@@ -74,6 +77,8 @@ class Engine:
         params = params or self.default_params
         ids = self._prompt_ids(prompt)
         tokenize_bad_words(self.tokenizer, params)
+        if params.structured is not None:
+            check_structured(params.structured)
         check_request(ids, params, self.vocab_size, self.max_model_len, self.core.blocks.num_blocks,
                       self.config.block_size)
         seqs = self.core.add_request(request_id or f"req-{next(self.core._ids)}", ids, params)
@@ -148,6 +153,19 @@ class Engine:
                 if d.seq_id in texts:
                     texts[d.seq_id].append(d.text)
         return [self._output(seqs[sid], "".join(texts[sid])) for sid in order]
+
+    def embed(self, prompts) -> list[list[float]]:
+        """One L2-normalised vector per prompt (text or token ids): the final hidden states pooled as
+        --pooling says, by the same prefill-only core path as /v1/embeddings."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        seqs = [s for p in prompts for s in self._add(p, embedding_params())]
+        while self.has_unfinished():
+            self.step()
+        for s in seqs:
+            if not s.embedding:
+                raise InvalidRequestError(s.error or f"embedding {s.request_id} ended with {s.finish_reason}")
+        return [np.frombuffer(s.embedding, dtype="<f4").tolist() for s in seqs]
 
     def chat(self, conversations, params=None, **template_kwargs) -> list[RequestOutput]:
         if conversations and isinstance(conversations[0], dict):

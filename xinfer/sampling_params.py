@@ -4,7 +4,7 @@ from __future__ import annotations
 import msgspec
 
 from xinfer.errors import InvalidRequestError
-from xinfer.structured import StructuredOutput, check as check_structured
+from xinfer.structured import StructuredOutput
 
 
 # Integers travel in int64 msgspec frames and torch tensors.
@@ -36,6 +36,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # a matched stop string stays at the end of the text
     structured: StructuredOutput | None = None  # the output follows this grammar (xinfer/structured.py)
+    # /v1/embeddings: the prompt is run (prefill only, with max_tokens 0) for its pooled final hidden
+    # state (--pooling), never for tokens; such a sequence takes no prefix-cache hits (cached blocks
+    # hold no hidden states)
+    embed: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -56,6 +60,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             bad("n", f"must be >= 1, got {self.n}")
         if self.max_tokens is not None and self.max_tokens < 0:
             bad("max_tokens", f"must be >= 0, got {self.max_tokens}")
+        if self.embed and (self.n != 1 or self.max_tokens != 0 or self.prompt_logprobs is not None):
+            bad("embed", "runs one choice with max_tokens 0 and no prompt_logprobs")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             bad("min_tokens", f"must be between 0 and max_tokens, got {self.min_tokens}")
         if not 0.0 <= self.temperature <= 100.0:
@@ -88,15 +94,20 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         return self
 
 
+def embedding_params() -> SamplingParams:
+    """An embedding request's params: its prompt runs once, for the pooled vector (the one token
+    the worker samples at the prompt's end is greedy and thrown away)."""
+    return SamplingParams(max_tokens=0, temperature=0.0, embed=True)
+
+
 def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
                   num_blocks: int | None = None, block_size: int = 16, clamp: bool = False) -> None:
     """The one check of a request before it reaches the engine core (the API process runs it, and
     the offline Engine): its sampling params, its token ids, and room for it in the context and
-    in the KV cache. Raises InvalidRequestError naming the field. `clamp`: a max_tokens over the
+    in the KV cache. Raises InvalidRequestError naming the field. A structured output's spec is
+    parsed apart (xinfer.structured.check), where a big one does not stall an event loop. `clamp`: a max_tokens over the
     room left after the prompt is lowered to it (the choice then ends with "length") instead."""
     params.validate(vocab_size)
-    if params.structured is not None:
-        check_structured(params.structured)
     if not prompt_ids:
         raise InvalidRequestError("prompt is empty", param="prompt")
     bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)

@@ -1,7 +1,7 @@
 """The API app: Sanic on uvloop. Validates requests, renders chat templates and tokenizes (in a thread
 pool, never on the event loop), talks to the engine core over ZMQ and streams. Here: the factory, the
 process lifecycle (start, parent watch, signals, drain, stop), the API key and the error answers;
-the routes are in chat, completions, tokenizer and info, the HTTP-level checks in guard."""
+the routes are in chat, completions, embeddings, tokenizer and info, the HTTP-level checks in guard."""
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +17,7 @@ from sanic import Sanic, response
 from sanic.exceptions import SanicException
 
 from xinfer import process
-from xinfer.api import chat, completions, guard, info, tokenizer
+from xinfer.api import anthropic, chat, completions, embeddings, guard, info, responses_api, tokenizer
 from xinfer.api.engine_client import EngineClient
 from xinfer.api.metrics import Metrics
 from xinfer.api.protocol import ApiError
@@ -100,7 +100,7 @@ def create_app(config: EngineConfig, topology: Topology, max_queued_requests: in
     if opts.access_log:
         _access_log(app)
     protected = _key_check(opts.api_key)
-    for family in (info, tokenizer, chat, completions):
+    for family in (info, tokenizer, chat, completions, embeddings, anthropic, responses_api):
         family.register(app, s, protected)
     guard.install(app, opts)  # the keep-alive and request timeouts too
     if ui_port:
@@ -136,7 +136,7 @@ def _load_state(config: EngineConfig, opts: ApiOptions, max_queued_requests: int
     return ApiState(opts=opts, tok=tok, model_names=names,
                     vocab_size=info.config["vocab_size"], template=template, tool_parser=tool_parser,
                     markers=markers, strs=TokenStrings(tok), metrics=Metrics(names[0]), config=config,
-                    max_queued_requests=max_queued_requests)
+                    max_queued_requests=max_queued_requests, hidden_size=info.config.get("hidden_size") or 0)
 
 
 def _key_check(api_key: str | None):
@@ -149,9 +149,11 @@ def _key_check(api_key: str | None):
 
         @functools.wraps(handler)
         async def check(request, *args, **kwargs):
-            got = (request.headers.get("authorization") or "").encode()
+            key = request.headers.get("x-api-key")  # Anthropic's clients send the key so
+            got = (request.headers.get("authorization") or ("Bearer " + key if key else "")).encode()
             if not hmac.compare_digest(got, want):
-                raise ApiError("invalid or missing API key (send 'Authorization: Bearer <key>')", status=401,
+                raise ApiError("invalid or missing API key (send 'Authorization: Bearer <key>' or 'x-api-key')",
+                               status=401,
                                kind="authentication_error", code="invalid_api_key")
             return await handler(request, *args, **kwargs)
         return check
@@ -163,7 +165,8 @@ def _error_handlers(app: Sanic) -> None:
     def answer(request, e: ApiError):
         log.info("rejected %s %s: %d %s: %s", request.method, request.path, e.status, e.code or e.kind, e)
         headers = {"Retry-After": str(e.retry_after)} if e.retry_after else None
-        return response.json(e.body(), status=e.status, headers=headers)
+        body = anthropic.error_body(e) if anthropic.is_anthropic(request.path) else e.body()
+        return response.json(body, status=e.status, headers=headers)
 
     @app.exception(ApiError)
     async def api_error(request, e: ApiError):

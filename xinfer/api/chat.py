@@ -23,7 +23,6 @@ def register(app: Sanic, s: ApiState, protected) -> None:
             warn_unknown_fields(request.body, ChatRequest)
             s.check_model(body.model)
             params = sampling_params(body, chat=True, max_n=s.opts.max_n)
-            params.structured = requested(body)
             ids, spec = await s.offload(_prepare, s, body, params)
             s.check([ids], params)
             return await respond(s, request, body, [ids], params, spec, chat=True)
@@ -34,16 +33,17 @@ def _prepare(s: ApiState, body: ChatRequest, params) -> tuple[list[int], ParseSp
     request's grammar (params.structured) for a forced tool call or a structured output."""
     s.need_tokenizer()
     tools, choice = parse_tools(body)
-    text = chat_text(s.tok, body, tools, not s.opts.disable_reasoning, describe_tools=choice is not None)
+    text = chat_text(s.tok, body, tools, not s.opts.disable_reasoning, describe_tools=choice is not None,
+                     trust_template=s.opts.trust_request_chat_template)
     spec = ParseSpec(reasoning=s.markers, id_prefix="call_" + uuid.uuid4().hex[:24])
-    tool_grammar = None
+    tool_grammar, asked = None, requested(body)
     if choice is not None:
         # A model whose template has no call format of its own is asked for plain JSON.
         spec.tool_parser = s.tool_parser if s.tool_parser != "passthrough" else "json"
         spec.tools = tools
         parser = get_tool_parser(spec.tool_parser)
         parallel = body.parallel_tool_calls is not False
-        if choice != "auto" or (s.opts.enable_tool_grammar and params.structured is None):
+        if choice != "auto" or (s.opts.enable_tool_grammar and asked is None):
             tool_grammar = for_tools(parser, tools, choice, parallel)
         if choice != "auto" and tool_grammar is None:  # no grammar for this family: force the opening
             prefix = parser.forced_prefix(None if choice == "required" else choice)
@@ -53,7 +53,7 @@ def _prepare(s: ApiState, body: ChatRequest, params) -> tuple[list[int], ParseSp
         spec.single_call = choice not in ("auto", "required") or not parallel
         spec.held = tool_grammar is not None and choice != "auto" and parser.ARGS_STYLE == "json"
     spec.in_reasoning = bool(s.markers) and starts_in_reasoning(text, s.markers)
-    so = tool_grammar or params.structured
+    so = tool_grammar or asked
     if so is not None and spec.in_reasoning:
         so = after_reasoning(so, s.markers[1])
     params.structured = checked(so)

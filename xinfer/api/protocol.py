@@ -8,7 +8,7 @@ import re
 
 import msgspec
 
-from xinfer.api.schema import Sampling, ThinkingConfig, ToolCall
+from xinfer.api.schema import MAX_TEMPLATE, Sampling, ThinkingConfig, ToolCall
 from xinfer.loader.tokenizer import TEMPLATE_OWN_NAMES
 from xinfer.parsers.base import MAX_DEPTH, too_deep  # one nesting bound for bodies and model output
 from xinfer.sampling_params import SamplingParams
@@ -137,9 +137,11 @@ def parse_tools(body) -> tuple[list[dict] | None, str | None]:
     return tools, choice.function.name
 
 
-def chat_text(tok, body, tools: list[dict] | None, thinking_default: bool, describe_tools: bool = True) -> str:
-    """The request's messages rendered by the model's chat template; `describe_tools`: tell a model
-    whose template ignores tools about them (not when tool_choice is "none")."""
+def chat_text(tok, body, tools: list[dict] | None, thinking_default: bool, describe_tools: bool = True,
+              trust_template: bool = False) -> str:
+    """The request's messages rendered by the model's chat template (or the request's own, with
+    `trust_template`); `describe_tools`: tell a model whose template ignores tools about them (not
+    when tool_choice is "none")."""
     norm = []
     for i, m in enumerate(body.messages):
         content = m.content
@@ -153,6 +155,7 @@ def chat_text(tok, body, tools: list[dict] | None, thinking_default: bool, descr
         if m.tool_calls:
             msg["tool_calls"] = _history_calls(m.tool_calls, i)
         norm.append(msg)
+    template = _own_template(body, trust_template)
     kwargs = _template_kwargs(body.chat_template_kwargs or {})
     effort_off = False if body.reasoning_effort == "none" else None  # as vLLM and llama-server read it
     thinking = next((v for v in (kwargs.pop("enable_thinking", None), body.enable_thinking, body.thinking,
@@ -162,20 +165,37 @@ def chat_text(tok, body, tools: list[dict] | None, thinking_default: bool, descr
     elif isinstance(thinking, ThinkingConfig):
         thinking = thinking.type != "disabled"
     kwargs["enable_thinking"] = bool(thinking)
-    if tools and describe_tools and "tools" not in (tok.chat_template or ""):
+    if tools and describe_tools and "tools" not in (template or tok.chat_template or ""):
         norm = _describe_tools(norm, tools)
     if not body.continue_final_message:
-        return tok.apply_chat_template(norm, body.add_generation_prompt is not False, tools=tools, **kwargs)
+        return tok.apply_chat_template(norm, body.add_generation_prompt is not False, tools=tools,
+                                       chat_template=template, **kwargs)
     if body.add_generation_prompt:
         raise ApiError("'continue_final_message' needs 'add_generation_prompt': false", param="continue_final_message")
     last = norm[-1]
     if last["role"] != "assistant" or not last["content"]:
         raise ApiError("'continue_final_message' needs a last message from the assistant with content",
                        param="continue_final_message")
-    text = tok.apply_chat_template(norm, False, tools=tools, **kwargs)
+    text = tok.apply_chat_template(norm, False, tools=tools, chat_template=template, **kwargs)
     end = text.rfind(last["content"])
     # The template closes the turn after the content (an end-of-turn token): the reply goes on from there.
     return text[:end + len(last["content"])] if end >= 0 else text
+
+
+def _own_template(body, trusted: bool) -> str | None:
+    """The request's own chat template: the field, or chat_template_kwargs' (vLLM reads both, that
+    one first). It is code the server runs, so only with --trust-request-chat-template (as vLLM)."""
+    source = (body.chat_template_kwargs or {}).get("chat_template")
+    source = body.chat_template if source is None else source
+    if source is None:
+        return None
+    if not trusted:
+        raise ApiError("this server does not take a request's own 'chat_template': start it with "
+                       "--trust-request-chat-template to allow one", param="chat_template")
+    if not isinstance(source, str) or len(source) > MAX_TEMPLATE:
+        raise ApiError(f"'chat_template' must be a string of at most {MAX_TEMPLATE} characters",
+                       param="chat_template")
+    return source
 
 
 # Besides the renderer's own names, these would switch how the prompt is tokenized.
@@ -275,6 +295,8 @@ def sampling_params(body: Sampling, chat: bool = True, max_n: int = 16) -> Sampl
         if body.echo:
             kw["prompt_logprobs"] = body.logprobs
     if body.prompt_logprobs is not None:
+        if body.stream and body.prompt_logprobs > 0:  # vLLM's rule: they come with the whole response
+            raise ApiError("'prompt_logprobs' are not available with 'stream': true", param="prompt_logprobs")
         kw["prompt_logprobs"] = body.prompt_logprobs
     mt = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     kw["max_tokens"] = mt if mt is not None else None if chat else COMPLETION_MAX_TOKENS

@@ -44,6 +44,23 @@ def completion_logprobs(strs: TokenStrings, ids: list[int], entries: list, text_
     return out
 
 
+def prompt_logprobs(strs: TokenStrings, ids: list[int], entries: list) -> list[dict | None]:
+    """vLLM's prompt_logprobs: per prompt token None (the first has no context), else {token id:
+    {logprob, rank, decoded_token}} of the token itself and of the top alternatives, ranked 1..N
+    (the token among them keeps that rank, as in vLLM)."""
+    def one(tid, lp, rank):
+        return {"logprob": lp, "rank": rank, "decoded_token": strs(tid)}
+
+    out = []
+    for tid, e in zip(ids, entries):
+        if e is None:
+            out.append(None)
+            continue
+        lp, alts, rank = e
+        out.append({str(tid): one(tid, lp, rank), **{str(a): one(a, alp, r) for r, (a, alp) in enumerate(alts, 1)}})
+    return out
+
+
 def merge_completion_logprobs(a: dict | None, b: dict) -> dict:
     if a is None:
         return b
@@ -63,6 +80,7 @@ class ChoiceState:
         self.finish_reason: str | None = None
         self.tokens = 0
         self.cached = 0
+        self.stop_str: str | None = None
 
     def add(self, o) -> None:
         self.content.append(o.text)
@@ -80,6 +98,7 @@ class ChoiceState:
         if o.finish_reason:
             self.finish_reason = finish_reason(o.finish_reason, bool(self.calls))
             self.cached = o.num_cached_tokens
+            self.stop_str = o.stop_str
 
     def tool_calls(self) -> list[dict]:
         return [self.calls[i] for i in sorted(self.calls)]

@@ -99,6 +99,8 @@ Tools = Annotated[list[Tool], Meta(max_length=MAX_TOOLS)]
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 Thinking = bool | ThinkingConfig
 TemplateKwargs = dict[str, Any]  # keys are checked by protocol.chat_text
+MAX_TEMPLATE = 64 << 10  # characters of a request's own chat template (chat_template_kwargs' one too)
+ChatTemplate = Annotated[str, Meta(max_length=MAX_TEMPLATE)]
 
 
 class StreamOptions(Struct, kw_only=True):
@@ -177,6 +179,7 @@ class ChatRequest(Sampling, kw_only=True):
     tools: Tools | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None  # false: at most one call
+    chat_template: ChatTemplate | None = None  # the request's own (with --trust-request-chat-template)
     chat_template_kwargs: TemplateKwargs | None = None
     thinking: Thinking | None = None
     enable_thinking: bool | None = None
@@ -202,6 +205,7 @@ class TokenizeRequest(Body, kw_only=True):
     messages: Messages | None = None  # rendered as chat does
     tools: Tools | None = None
     tool_choice: ToolChoice | None = None
+    chat_template: ChatTemplate | None = None  # the request's own (with --trust-request-chat-template)
     chat_template_kwargs: TemplateKwargs | None = None
     thinking: Thinking | None = None
     enable_thinking: bool | None = None

@@ -29,6 +29,7 @@ class ApiOptions:
     max_request_bytes: int = 8 << 20
     enforce_parser: str | None = None  # tool-call parser; None: chosen from the model
     disable_reasoning: bool = False  # the default of a request's `thinking` flag
+    trust_request_chat_template: bool = False  # a request may bring its own chat template (else a 400)
     enable_tool_grammar: bool = False  # tool_choice auto: a call, once it opens, follows its schema
     reasoning_parser: str | None = None  # markers by name; None: from the chat template
     ssl_certfile: str | None = None  # with ssl_keyfile: HTTPS on the API port (and the --ui-server one)
@@ -61,6 +62,7 @@ class ApiState:
     metrics: Metrics
     config: EngineConfig
     max_queued_requests: int  # beyond the running batch, before admit() answers 503
+    hidden_size: int = 0  # the model's (the most /v1/embeddings' `dimensions` may be); 0: unknown
     client: EngineClient | None = None  # made when the server starts (its sockets need the loop)
     draining: bool = False
     active: int = 0  # generation requests admitted and not yet answered

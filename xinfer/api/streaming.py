@@ -16,7 +16,7 @@ from sanic import response
 from xinfer import envs
 from xinfer.api.protocol import ApiError, usage
 from xinfer.api.responses import (ChoiceState, chat_delta, chat_logprobs, completion_logprobs,
-                                  merge_completion_logprobs)
+                                  merge_completion_logprobs, prompt_logprobs)
 from xinfer.api.state import ApiState
 from xinfer.errors import InvalidRequestError
 from xinfer.ipc.step import unpack_ids
@@ -77,13 +77,18 @@ async def _usage(s: ApiState, prompts, n, states) -> dict:
                  sum(st.cached for st in states), await _reasoning_tokens(s, states))
 
 
+def _scored(params, states, p_i) -> list:
+    """Prompt p_i's logprobs entries: the prompt is scored by its first choice (n > 1 siblings
+    share its KV blocks)."""
+    return states[p_i * params.n].prompt_logprobs or []
+
+
 def _echoed(s: ApiState, body, prompts, params, states, idx) -> tuple[str, dict | None]:
-    """Echo: the prompt's text and, with logprobs, its scored tokens. The prompt is scored by
-    its first choice (n > 1 siblings share its KV blocks)."""
+    """Echo: the prompt's text and, with logprobs, its scored tokens."""
     p_i = idx // params.n
     lp = None
     if params.logprobs is not None:
-        lp = completion_logprobs(s.strs, prompts[p_i], states[p_i * params.n].prompt_logprobs or [], 0)
+        lp = completion_logprobs(s.strs, prompts[p_i], _scored(params, states, p_i), 0)
     return _echo(s, body, prompts, p_i), lp
 
 
@@ -108,7 +113,8 @@ async def respond(s: ApiState, request, body, prompts, params, spec, chat: bool)
     async for idx, o in _merged(s, rid, prompts, params, spec):
         if o is not None:
             states[idx].add(o)
-    choices = []
+    choices, top = [], {}
+    scored = params.prompt_logprobs is not None  # as vLLM: also when echo + logprobs asked for them
     for idx, st in enumerate(states):
         if chat:
             msg = {"role": "assistant", "content": "".join(st.content) or (None if st.calls else "")}
@@ -130,9 +136,14 @@ async def respond(s: ApiState, request, body, prompts, params, spec, chat: bool)
                 lp = merge_completion_logprobs(lp, completion_logprobs(s.strs, st.logprob_ids, st.logprobs,
                                                                        start))
             choices.append({"index": idx, "text": text, "logprobs": lp, "finish_reason": st.finish_reason})
+            if scored:  # vLLM's place for them in a completion: each choice
+                p_i = idx // n
+                choices[-1]["prompt_logprobs"] = prompt_logprobs(s.strs, prompts[p_i], _scored(params, states, p_i))
     if chat:
         _log_chat(s, body, choices)
-    return response.json({**base, "choices": choices, "usage": await _usage(s, prompts, n, states)})
+        if scored:  # and in a chat completion: the response (one prompt)
+            top["prompt_logprobs"] = prompt_logprobs(s.strs, prompts[0], _scored(params, states, 0))
+    return response.json({**base, "choices": choices, "usage": await _usage(s, prompts, n, states), **top})
 
 
 async def _stream(s: ApiState, request, rid, base, prompts, params, spec, chat, body):
@@ -199,12 +210,19 @@ async def _stream(s: ApiState, request, rid, base, prompts, params, spec, chat, 
                                                          "tool_calls": st.tool_calls()},
                                  "finish_reason": st.finish_reason} for i, st in enumerate(states)])
     except Exception as e:  # the stream has started: report in-band, then end it
-        log.warning("stream %s failed: %s", rid, e)
-        err = e if isinstance(e, ApiError) else ApiError(str(e), status=400, param=e.param, code=e.code) \
-            if isinstance(e, InvalidRequestError) else ApiError(str(e), status=500, kind="server_error")
-        await resp.send("data: " + _dumps({"error": err.body()["error"]}) + "\n\n")
+        await resp.send("data: " + _dumps({"error": stream_error(rid, e).body()["error"]}) + "\n\n")
     await resp.send("data: [DONE]\n\n")
     await resp.eof()
+
+
+def stream_error(rid: str, e: Exception) -> ApiError:
+    """What a stream that failed after it started reports in-band (logged once)."""
+    log.warning("stream %s failed: %s", rid, e)
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, InvalidRequestError):
+        return ApiError(str(e), status=400, param=e.param, code=e.code)
+    return ApiError(str(e), status=500, kind="server_error")
 
 
 def _log_chat(s: ApiState, body, choices):

@@ -48,7 +48,9 @@ def _tokenize(s: ApiState, body: TokenizeRequest) -> bytes:
     tok, special = s.tok, body.add_special_tokens
     if body.messages is not None:
         tools, _ = parse_tools(body)
-        ids = tok.encode(chat_text(tok, body, tools, not s.opts.disable_reasoning), add_special_tokens=bool(special))
+        text = chat_text(tok, body, tools, not s.opts.disable_reasoning,
+                         trust_template=s.opts.trust_request_chat_template)
+        ids = tok.encode(text, add_special_tokens=bool(special))
     else:
         ids = tok.encode(body.prompt, add_special_tokens=special is not False)
     out = {"count": len(ids), "max_model_len": s.max_model_len, "tokens": ids}

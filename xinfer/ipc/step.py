@@ -53,6 +53,10 @@ class StepResult(msgspec.Struct, array_like=True, tag="result"):
     token_ids: bytes
     # Per sampled token, when asked: (chosen logprob, [(token id, logprob), ...] top alternatives)
     logprobs: list[tuple[float, list[tuple[int, float]]] | None] = []
-    # Prompt logprobs computed this step: (seq id, position of the first scored token, entries)
-    prompt_logprobs: list[tuple[int, int, list[tuple[float, list[tuple[int, float]]]]]] = []
+    # Prompt logprobs computed this step: (seq id, position of the first scored token, entries), each
+    # entry (logprob, top alternatives, the token's rank)
+    prompt_logprobs: list[tuple[int, int, list[tuple[float, list[tuple[int, float]], int]]]] = []
     error: str | None = None  # the step raised: nothing was computed, the worker's batch is cleared
+    # Embedding sequences whose prompt finished this step: (seq id, the pooled, L2-normalised final
+    # hidden state as raw float32 bytes)
+    embeddings: list[tuple[int, bytes]] = []

@@ -11,6 +11,8 @@ import msgspec
 
 # Per token: (logprob, [(token id, logprob), ...] top alternatives)
 Logprob = tuple[float, list[tuple[int, float]]]
+# Per prompt token: the same and its rank (1 + how many tokens the model found more likely, ties included)
+PromptLogprob = tuple[float, list[tuple[int, float]], int]
 
 
 class ParseSpec(msgspec.Struct, array_like=True):
@@ -42,11 +44,12 @@ class TokenDelta(msgspec.Struct, array_like=True):
     finish_reason: str | None
     num_cached_tokens: int
     logprobs: list[Logprob] | None = None  # one per token in token_ids, when asked
-    prompt_logprobs: list[Logprob | None] | None = None
+    prompt_logprobs: list[PromptLogprob | None] | None = None
     queue_time: float = 0.0
     # With finish_reason "error" or "timeout": why, sent in order with the tokens (not beside them,
     # where a backlog of other frames could let the end of the text overtake it).
     error: str | None = None
+    embedding: bytes = b""  # an embedding request's last delta: its vector, float32 bytes (StepResult)
 
 
 class TokenBatch(msgspec.Struct, array_like=True, tag="tokens"):
@@ -78,12 +81,14 @@ class TextDelta(msgspec.Struct, array_like=True):
     num_cached_tokens: int
     logprobs: list[Logprob] | None = None  # the choice's last len(logprobs) tokens up to total_tokens
     logprob_token_ids: bytes = b""  # the tokens those logprobs are of
-    prompt_logprobs: list[Logprob | None] | None = None
+    prompt_logprobs: list[PromptLogprob | None] | None = None
     queue_time: float = 0.0
     reasoning_offset: int = 0
     reasoning: str = ""
     tool_calls: list[ToolCallChunk] = []
     error: str | None = None  # as TokenDelta.error
+    stop_str: str | None = None  # with finish_reason "stop": the stop string that ended it, if one did
+    embedding: bytes = b""  # as TokenDelta.embedding
 
 
 class ParseInit(msgspec.Struct, array_like=True):

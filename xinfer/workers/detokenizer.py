@@ -64,7 +64,8 @@ def _main(tokenizer: tuple, topology: Topology, gen: int, parent: int) -> None:
             if text or reason or d.logprobs or d.prompt_logprobs:
                 out.append(TextDelta(rid, index, offset, text, count[0], reason, d.num_cached_tokens, d.logprobs,
                                      d.token_ids if d.logprobs else b"", d.prompt_logprobs, d.queue_time,
-                                     error=d.error))
+                                     error=d.error, stop_str=det.stopped if reason == "stop" else None,
+                                     embedding=d.embedding))
         if out or parse_inits:
             push.send(tx.encode(TextBatch(out, parse_inits, batch.resync)))
 

@@ -30,6 +30,7 @@ class WorkerSeq:
     block_ids: list[int]
     params: SamplingParams
     seed: int | None
+    pool_sum: torch.Tensor | None = None  # params.embed with mean pooling: float32 sum of the rows so far
 
 
 def kv_bytes_per_token(cfg: dict, dtype: torch.dtype) -> int:
@@ -124,11 +125,14 @@ class ModelRunner:
         bs = self.block_size
         ids, pos, slots, qlens, kvlens, tables, sample_rows, sample_seqs = [], [], [], [], [], [], [], []
         scored = []  # prompt logprobs asked: (seq id, first row, first scored position, count)
+        pooled = []  # embedding sequences: (seq id, first row, first position, end)
         for s in plan.scheduled:
             ws = self.seqs[s.seq_id]
             start, end = ws.num_computed, ws.num_computed + s.num_tokens
             if ws.params.prompt_logprobs is not None and start < ws.num_prompt - 1:
                 scored.append((s.seq_id, len(ids), start + 1, min(end, ws.num_prompt - 1) - start))
+            if ws.params.embed:
+                pooled.append((s.seq_id, len(ids), start, end))
             ids.extend(ws.tokens[start:end])
             p = np.arange(start, end)
             pos.append(p)
@@ -158,8 +162,9 @@ class ModelRunner:
         for s in plan.scheduled:
             self.seqs[s.seq_id].num_computed += s.num_tokens
         prompt_lps = self._prompt_logprobs(hidden, scored) if scored else []
+        embeddings = self._pool(hidden, pooled) if pooled else []
         if not sample_seqs:
-            return StepResult(plan.step_id, [], b"", [], prompt_lps)
+            return StepResult(plan.step_id, [], b"", [], prompt_lps, embeddings=embeddings)
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
         batch = self._sampling_batch([self.seqs[i] for i in sample_seqs])
         if plan.mask_seq_ids:
@@ -171,7 +176,25 @@ class ModelRunner:
         for sid, t in zip(sample_seqs, tokens):
             self.seqs[sid].tokens.append(t)
         return StepResult(plan.step_id, sample_seqs, pack_ids(tokens), self._logprobs(sample_seqs, tokens, lps),
-                          prompt_lps)
+                          prompt_lps, embeddings=embeddings)
+
+    def _pool(self, hidden, pooled) -> list[tuple[int, bytes]]:
+        """Embedding sequences: --pooling over their prompt's final hidden states, which come in as
+        many steps as the prefill has chunks (mean keeps a running float32 sum in the WorkerSeq; a
+        recompute makes a new one). A prompt that ends this step gives its vector, L2-normalised."""
+        out = []
+        for sid, row, start, end in pooled:
+            ws = self.seqs[sid]
+            if self.config.pooling == "mean":  # the rows of this chunk's prompt tokens
+                part = hidden[row:row + end - start].float().sum(0)
+                ws.pool_sum = part if ws.pool_sum is None else ws.pool_sum + part
+            if end < ws.num_prompt:
+                continue
+            mean = self.config.pooling == "mean"
+            vec = ws.pool_sum / ws.num_prompt if mean else hidden[row + end - start - 1].float()
+            vec = torch.nn.functional.normalize(vec, dim=0)
+            out.append((sid, vec.cpu().numpy().astype("<f4").tobytes()))
+        return out
 
     def _prompt_logprobs(self, hidden, scored):
         """Logprobs of prompt tokens under the model's raw distribution (for echo / scoring):
@@ -181,14 +204,16 @@ class ModelRunner:
             ws = self.seqs[sid]
             lp = torch.log_softmax(self.model.compute_logits(hidden[row:row + count]).float(), dim=-1)
             target = torch.tensor(ws.tokens[first:first + count], device=lp.device)
-            chosen = lp.gather(1, target[:, None])[:, 0].tolist()
+            chosen_t = lp.gather(1, target[:, None])
+            ranks = (lp >= chosen_t).sum(-1).tolist()  # vLLM's rank: 1 + how many are more likely (ties count)
+            chosen = chosen_t[:, 0].tolist()
             k = ws.params.prompt_logprobs
             if k:
                 vals, idx = lp.topk(k, dim=-1)
                 alts = [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
             else:
                 alts = [[] for _ in chosen]
-            out.append((sid, first, list(zip(chosen, alts))))
+            out.append((sid, first, list(zip(chosen, alts, ranks))))
         return out
 
     def _logprobs(self, seq_ids, tokens, lps):
