@@ -44,7 +44,7 @@ class Terminal:
                 seen, self.pos = self.text[self.pos:m.end()], m.end()
                 return seen
             left = deadline - time.time()
-            assert left > 0, f"no {pattern!r} in {self.text[self.pos:]!r}"
+            assert left > 0, f"no {pattern!r} in {self.text[self.pos:]!r} (all: {self.text[-400:]!r})"
             if select.select([self.fd], [], [], min(left, 1))[0]:
                 try:
                     chunk = os.read(self.fd, 4096)

@@ -196,3 +196,45 @@ def test_errors_are_shown_and_new_chat_clears(page):
     send(page, "Again")
     wait_for(lambda: idle(page) and page.find_element("id", "speed").text.startswith("3 tokens"), 30, "a reply")
     assert js(page, "return state.history.length;") == 2
+
+
+@pytest.fixture(scope="module")
+def origins():
+    """Two blank pages on their own origins (ports): the first allowed by --allowed-origins."""
+    import http.server
+    import socketserver
+    import threading
+
+    class Blank(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.end_headers()
+            self.wfile.write(b"<!doctype html><title>other origin</title>")
+
+        def log_message(self, *a):
+            pass
+    servers = [socketserver.TCPServer(("127.0.0.1", 0), Blank) for _ in range(2)]
+    for srv in servers:
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield [f"http://127.0.0.1:{srv.server_address[1]}" for srv in servers]
+    for srv in servers:
+        srv.shutdown()
+
+
+def test_cors_preflight_in_the_browser(chat_model, origins, browser):
+    """A page on an allowed origin calls the API with a JSON POST (the browser sends a real
+    preflight first) and reads the reply; a page on another origin is refused by the browser."""
+    allowed, other = origins
+    proc, base, _ = start_server("--m", chat_model, "--kv-cache-gb", "0.1", "--allowed-origins", allowed)
+    call = ("const done = arguments[arguments.length - 1];"
+            "fetch(arguments[0] + '/v1/chat/completions', {method: 'POST', headers: {'Content-Type': "
+            "'application/json'}, body: JSON.stringify({messages: [{role: 'user', content: 'Hi'}], max_tokens: 3})})"
+            ".then(r => r.json()).then(j => done('ok:' + j.choices.length), e => done('failed:' + e));")
+    try:
+        browser.get(allowed + "/")
+        assert browser.execute_async_script(call, base) == "ok:1"
+        browser.get(other + "/")
+        assert browser.execute_async_script(call, base).startswith("failed:")
+    finally:
+        stop_server(proc)

@@ -5,6 +5,7 @@ from dataclasses import dataclass, fields
 
 QUANTIZATIONS = ("auto", "none", "gguf")
 DTYPES = ("float32", "bfloat16", "float16")
+POOLINGS = ("last", "mean")
 
 
 @dataclass
@@ -36,6 +37,9 @@ class EngineConfig:
     max_queue_wait: float | None = None
     chat_template: str | None = None  # a Jinja file replacing (or supplying) the model's chat template
     grammar_compile_timeout: float = 30.0  # seconds a structured output's grammar may take to compile
+    # /v1/embeddings: one vector per input from the final hidden states (after the last norm):
+    # "last": the last prompt token's; "mean": the mean over every prompt token. L2-normalised.
+    pooling: str = "last"
 
     def read_chat_template(self) -> str | None:
         """--chat-template's text; a file that cannot be read is a start-up error naming it."""
@@ -63,6 +67,8 @@ class EngineConfig:
             raise ValueError(f"--restart-window must be > 0 seconds, got {self.restart_window}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"--quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"--pooling must be one of {list(POOLINGS)}, got {self.pooling!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"--load-format must be 'auto' or 'dummy', got {self.load_format!r}")
         self.read_chat_template()  # an unreadable file stops the start here, not in a child process

@@ -41,6 +41,7 @@ class Delta:
     prompt_logprobs: list | None = None  # with the first delta, when asked: None for token 0, then entries
     queue_time: float = 0.0  # with the last delta: seconds from arrival to first scheduled
     error: str | None = None  # with finish_reason "error": why the request could not be run
+    embedding: bytes = b""  # an embedding request's last delta: its vector (float32 bytes)
 
 
 _KEEP_FINISHED = 4096  # finished sequences remembered (cached-token counts); bounded: a server runs forever
@@ -74,7 +75,7 @@ class EngineCore:
         seqs = [Sequence(next(self._ids), request_id, list(prompt_ids), params,
                          None if params.seed is None else (params.seed + i) & SEED_MASK, max_tokens, index=i)
                 for i in range(params.n)]
-        if max_tokens == 0 and params.prompt_logprobs is None:
+        if max_tokens == 0 and params.prompt_logprobs is None and not params.embed:
             for s in seqs:
                 s.status, s.finish_reason, s.finish_time = FINISHED, "length", time.time()
             self._zero.extend(seqs)
@@ -198,7 +199,8 @@ class EngineCore:
 
     def delta(self, seq: Sequence, toks: list[int]) -> Delta:
         """What `seq` adds with its new tokens `toks` (its whole output so far, for a resend)."""
-        d = Delta(seq.seq_id, seq.request_id, seq.index, toks, "", seq.finish_reason, error=seq.error)
+        d = Delta(seq.seq_id, seq.request_id, seq.index, toks, "", seq.finish_reason, error=seq.error,
+                  embedding=seq.embedding if seq.finish_reason else b"")
         if seq.params.logprobs is not None and toks:
             d.logprobs = seq.logprobs[-len(toks):]
         if seq.params.prompt_logprobs is not None and len(seq.output_ids) <= 1:

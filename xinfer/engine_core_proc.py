@@ -207,7 +207,7 @@ class EngineCoreProc:
 
     def _token_delta(self, d: Delta) -> TokenDelta:
         return TokenDelta(d.seq_id, pack_ids(d.token_ids), d.finish_reason, self.core.num_cached_tokens(d.seq_id),
-                          d.logprobs, d.prompt_logprobs, d.queue_time, d.error)
+                          d.logprobs, d.prompt_logprobs, d.queue_time, d.error, d.embedding)
 
     def _send_stats(self) -> None:
         stats = self.core.stats()

@@ -48,6 +48,7 @@ class Sequence:
     strikes: int = 0  # failed steps it was in (a worker crash or a step that raised)
     error: str | None = None  # why it ended with finish_reason "error"
     grammar: object = None  # structured outputs: its xgrammar matcher, advanced with every token
+    embedding: bytes = b""  # params.embed: the pooled vector (float32 bytes) once its prompt ran
 
     @property
     def tokens(self) -> list[int]:
@@ -129,8 +130,9 @@ class Scheduler:
             seq = self.waiting[0]
             if alone is not None and seq is not alone:
                 break
-            # Cached blocks have no logits: a sequence that scores its prompt computes it all.
-            matched = not seq.block_ids and seq.params.prompt_logprobs is None
+            # Cached blocks have no logits or hidden states: a sequence that scores or embeds its prompt
+            # computes it all (its blocks are still registered for the requests after it).
+            matched = not seq.block_ids and seq.params.prompt_logprobs is None and not seq.params.embed
             if matched:
                 self._match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed, chunk, budget)
@@ -232,6 +234,10 @@ class Scheduler:
             seq = self.seqs.get(sid)
             if seq is not None and len(seq.prompt_logprobs) + 1 == first:  # not again after a recompute
                 seq.prompt_logprobs.extend(entries)
+        for sid, vec in result.embeddings:
+            seq = self.seqs.get(sid)
+            if seq is not None:
+                seq.embedding = vec
         now = time.time()
         out = []
         lps = result.logprobs or [None] * len(result.seq_ids)
@@ -239,7 +245,7 @@ class Scheduler:
             seq = self.seqs.get(sid)
             if seq is None or seq.status != RUNNING:
                 continue  # aborted while the step ran
-            if seq.max_tokens == 0:  # ran only to score the prompt
+            if seq.max_tokens == 0:  # ran only to score or embed the prompt
                 self._finish(seq, "length")
                 out.append((seq, None))
                 continue

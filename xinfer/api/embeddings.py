@@ -1,0 +1,83 @@
+"""/v1/embeddings (OpenAI's): one L2-normalised vector per input, the served model's final hidden
+states pooled as --pooling says. Each input is a prefill-only request through the same scheduler
+as a generation (SamplingParams.embed); `dimensions` truncates and renormalises here."""
+from __future__ import annotations
+
+import base64
+import uuid
+
+import msgspec
+import numpy as np
+from sanic import Sanic, response
+
+from xinfer.api.protocol import ApiError, decode, warn_unknown_fields
+from xinfer.api.schema_embeddings import EmbeddingRequest
+from xinfer.api.state import ApiState
+from xinfer.api.streaming import _merged
+from xinfer.errors import InvalidRequestError
+from xinfer.sampling_params import embedding_params
+
+
+def register(app: Sanic, s: ApiState, protected) -> None:
+    @app.post("/v1/embeddings", ctx_body=EmbeddingRequest)
+    @protected
+    async def embeddings(request):
+        with s.admitted():
+            body = decode(request.body, EmbeddingRequest)
+            warn_unknown_fields(request.body, EmbeddingRequest)
+            s.check_model(body.model)
+            if body.dimensions is not None and s.hidden_size and body.dimensions > s.hidden_size:
+                raise ApiError(f"dimensions must be <= {s.hidden_size} (the model's hidden size), got "
+                               f"{body.dimensions}", param="dimensions")
+            prompts = await s.offload(_inputs, s, body)
+            params = embedding_params()
+            for i, ids in enumerate(prompts):  # the check every request gets; its words name the input
+                try:
+                    s.check([ids], params)
+                except InvalidRequestError as e:
+                    raise ApiError(f"input[{i}]: {e}", param="input", code=e.code) from None
+            vecs: list[bytes] = [b""] * len(prompts)
+            # as /v1/completions' prompts: a running batch's worth at a time, --request-timeout over all
+            async for i, o in _merged(s, "embd-" + uuid.uuid4().hex, prompts, params, None):
+                if o is not None and o.finish_reason:
+                    vecs[i] = o.embedding
+            raw = await s.offload(_answer, s.model_name, body, prompts, vecs)
+            return response.raw(raw, content_type="application/json")
+
+
+def _inputs(s: ApiState, body: EmbeddingRequest) -> list[list[int]]:
+    """The inputs as token ids: one string, one token list, or a list of either."""
+    x = body.input
+    if isinstance(x, str) or all(isinstance(t, int) for t in x):
+        x = [x]
+    if not (all(isinstance(t, str) for t in x) or all(isinstance(t, list) for t in x)):
+        raise ApiError("'input' must be a string, a list of strings, a token list or a list of token lists",
+                       param="input")
+    if len(x) > s.opts.max_prompts:
+        raise ApiError(f"'input' holds {len(x)} inputs; this server takes up to {s.opts.max_prompts} per request "
+                       "(--max-prompts-per-request)", param="input")
+    empty = next((i for i, t in enumerate(x) if not t), None)
+    if empty is not None:
+        raise ApiError(f"input[{empty}] is empty", param="input")
+    if isinstance(x[0], list):
+        return x  # token ids and lengths are checked with the rest (check_request)
+    if s.tok is None:
+        raise ApiError("this model has no tokenizer: send the input as token ids", param="input")
+    return [s.tok.encode(t) for t in x]
+
+
+def _answer(model: str, body: EmbeddingRequest, prompts, vecs: list[bytes]) -> bytes:
+    data = []
+    for i, raw in enumerate(vecs):
+        if not raw:
+            raise RuntimeError(f"no embedding came back for input[{i}]")
+        v = np.frombuffer(raw, dtype="<f4")
+        if body.dimensions is not None:  # OpenAI's shortening: the first N, back to unit length
+            v = v[:body.dimensions]
+            v = v / max(float(np.linalg.norm(v)), 1e-12)
+        v = v.astype("<f4")
+        emb = base64.b64encode(v.tobytes()).decode() if body.encoding_format == "base64" else v.tolist()
+        data.append({"object": "embedding", "index": i, "embedding": emb})
+    n = sum(len(p) for p in prompts)
+    return msgspec.json.encode({"object": "list", "data": data, "model": model,
+                                "usage": {"prompt_tokens": n, "total_tokens": n}})
