@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
+import importlib.util
 import sys
 import time
 
 from xinfer import chat_cli, envs
+from xinfer.api.mcp_servers import load_config as load_mcp_config
 from xinfer.config import EngineConfig
 from xinfer.errors import XinferError
 from xinfer.launch import launch
@@ -75,6 +78,7 @@ def cmd_serve(args) -> int:
             raise ValueError(f"--enforce-parser / --tool-call-parser: {e}") from None
     if args.reasoning_parser is not None:
         reasoning_markers(None, args.reasoning_parser)  # an unknown name stops here, with the list
+    mcp_servers = mcp_check(args)
     api_options = dict(ui_port=args.port + 1 if args.ui_server else None,
                        api_key=args.api_key or envs.api_key(),
                        max_n=args.max_n, max_prompts=args.max_prompts_per_request,
@@ -90,9 +94,21 @@ def cmd_serve(args) -> int:
                        keepalive_s=args.sse_keepalive,
                        allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
                        keep_alive_timeout=args.keep_alive_timeout, request_read_timeout=args.request_read_timeout,
-                       max_connections_per_client=args.max_connections_per_client)
+                       max_connections_per_client=args.max_connections_per_client,
+                       mcp_servers=mcp_servers, mcp_max_rounds=args.mcp_max_rounds, mcp_timeout=args.mcp_timeout)
     return launch(engine_config(args), args.host, args.port, args.log_level, args.max_queued_requests,
                   args.drain_timeout, args.startup_timeout, api_options)
+
+
+def mcp_check(args) -> dict | None:
+    """The MCP servers of --mcp-config / --mcp-command; a bad file stops here, before anything starts."""
+    servers = load_mcp_config(args.mcp_config, args.mcp_command, args.mcp_args)
+    if args.mcp_max_rounds < 1 or not args.mcp_timeout > 0:
+        raise ValueError("--mcp-max-rounds must be >= 1 and --mcp-timeout > 0")
+    if servers and (importlib.util.find_spec("mcp") is None
+                    or int(importlib.metadata.version("mcp").split(".")[0]) < 2):  # v2's Client is used
+        raise ValueError("MCP servers need the mcp package, version 2 or later: pip install 'xinfer[mcp]'")
+    return servers
 
 
 def cmd_chat(args) -> int:
@@ -182,6 +198,16 @@ def main(argv=None) -> int:
                    help="requests think only when they ask to (the default of their 'thinking' flag)")
     s.add_argument("--sse-keepalive", type=float, default=15.0,
                    help="seconds without output before a stream gets a keep-alive comment")
+    s.add_argument("--mcp-config", default=None, metavar="FILE",
+                   help="MCP servers whose tools the server offers to the model and runs itself (JSON: "
+                        "{\"mcpServers\": {name: {\"command\", \"args\", \"env\"} or {\"url\"}}})")
+    s.add_argument("--mcp-command", default=None, metavar="CMD", help="one stdio MCP server to run (named 'mcp')")
+    s.add_argument("--mcp-args", nargs="+", default=[], metavar="ARG", help="the --mcp-command's arguments")
+    s.add_argument("--mcp-max-rounds", type=int, default=5,
+                   help="rounds of MCP tool calls in one chat request; a reply calling MCP tools after them is "
+                        "returned as it is")
+    s.add_argument("--mcp-timeout", type=float, default=30.0,
+                   help="seconds an MCP tool call may take (a restart of its server included)")
     s.add_argument("--ui-server", action="store_true",
                    help="also serve the web chat page on port + 1 (the API port serves it at / too)")
     s.add_argument("--startup-timeout", type=float, default=600.0,

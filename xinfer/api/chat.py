@@ -5,6 +5,7 @@ import uuid
 
 from sanic import Sanic
 
+from xinfer.api import mcp_chat
 from xinfer.api.constraints import after_reasoning, checked, for_tools, requested
 from xinfer.api.protocol import chat_text, decode, parse_tools, sampling_params, warn_unknown_fields
 from xinfer.api.schema import ChatRequest
@@ -15,6 +16,8 @@ from xinfer.parsers import get_tool_parser, starts_in_reasoning
 
 
 def register(app: Sanic, s: ApiState, protected) -> None:
+    mcp_chat.install(app, s)  # --mcp-config / --mcp-command: the server runs MCP tools for the model
+
     @app.post("/v1/chat/completions", ctx_body=ChatRequest)
     @protected
     async def chat_completions(request):
@@ -22,6 +25,8 @@ def register(app: Sanic, s: ApiState, protected) -> None:
             body = decode(request.body, ChatRequest)
             warn_unknown_fields(request.body, ChatRequest)
             s.check_model(body.model)
+            if mcp_chat.applies(s, body):
+                return await mcp_chat.respond(s, request, body, _prepare)
             params = sampling_params(body, chat=True, max_n=s.opts.max_n)
             ids, spec = await s.offload(_prepare, s, body, params)
             s.check([ids], params)

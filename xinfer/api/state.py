@@ -40,6 +40,9 @@ class ApiOptions:
     access_log: bool = False  # one log line per request
     keepalive_s: float = 15.0  # SSE comment after this long without output
     request_timeout: float = 0.0  # a generation request still running after this long is ended (408); 0: off
+    mcp_servers: dict | None = None  # name -> server spec (xinfer/api/mcp_servers.py load_config); None: no MCP
+    mcp_max_rounds: int = 5  # rounds of MCP calls in one chat request
+    mcp_timeout: float = 30.0  # seconds per MCP tool call
     # HTTP-level limits (xinfer/api/guard.py)
     allowed_hosts: list[str] | None = None  # None: loopback names when bound to loopback, else any
     allowed_origins: list[str] = field(default_factory=list)  # cross-origin pages allowed to POST ("*": any)
@@ -67,6 +70,7 @@ class ApiState:
     draining: bool = False
     active: int = 0  # generation requests admitted and not yet answered
     launched: bool = False  # under the supervisor: its SIGUSR1 says every process is ready
+    mcp: object = None  # the running MCP servers (xinfer/api/mcp_servers.Servers), made when the server starts
 
     async def offload(self, fn, *args):
         """Run heavy work (templates, tokenizing, large responses) off the event loop, at most
