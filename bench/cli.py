@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from bench import cmd_compare, cmd_curve, cmd_fuzz, cmd_offline, cmd_serve, cmd_soak
+from bench import cmd_compare, cmd_curve, cmd_fidelity, cmd_fuzz, cmd_offline, cmd_serve, cmd_soak
 from bench.common import load_scenario
 from xinfer.cli import add_engine_args
 
@@ -108,6 +108,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     f.add_argument("--timeout", type=float, default=10.0, help="seconds a request may take")
     f.add_argument("--seed", type=int, default=0)
     f.set_defaults(func=cmd_fuzz.run)
+
+    cmd_fidelity.add_args(sub.add_parser("fidelity", help="KL divergence, same top token and perplexity of one "
+                                         "setting against another (default: xinfer's defaults against float32)"))
 
     o = subs["offline"] = sub.add_parser("offline", help="in-process Engine throughput, no HTTP")
     # The engine's own flags, one per EngineConfig field, so bench never lags behind xinfer's; its

@@ -136,15 +136,19 @@ class TorchBackend(AttentionBackend):
             qs = q[s:s + ql].transpose(0, 1).unsqueeze(0)  # [1, Hq, ql, D]
             ks = kflat[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
             vs = vflat[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
-            out[s:s + ql] = _sdpa(qs, ks, vs, mask[None, None], scale, softcap)[0].transpose(0, 1)
+            # a whole prompt at once is plain causal: the kernel then skips the masked half
+            causal = ql == kl and not sliding_window and softcap is None
+            out[s:s + ql] = _sdpa(qs, ks, vs, None if causal else mask[None, None], scale, softcap)[0].transpose(0, 1)
         return out
 
 
 def _sdpa(q, k, v, mask, scale, softcap):
-    """q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D], mask bool broadcastable to [B, Hq, Lq, Lk]."""
+    """q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D], mask bool broadcastable to [B, Hq, Lq, Lk] (None: causal,
+    Lq == Lk)."""
     hq, hkv = q.shape[1], k.shape[1]
     if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=hq != hkv)
     if hq != hkv:
         k = k.repeat_interleave(hq // hkv, dim=1)
         v = v.repeat_interleave(hq // hkv, dim=1)

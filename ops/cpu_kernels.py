@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from ops import cpu_isa
 from xinfer import envs
 
 log = logging.getLogger("xinfer.ops")
@@ -74,7 +75,7 @@ def lib():
 def _build(cc: str):
     """Compile (once per source, compiler and CPU) and load the kernels; None if gcc refuses."""
     torch_lib = Path(torch.__file__).parent / "lib"
-    march = envs.cpu_march()
+    march = envs.cpu_march() or (cpu_isa.MARCH.get(cpu_isa.level(), "native") if envs.cpu_isa() else "native")
     key = hashlib.sha256(SRC.read_bytes() + cc.encode() + _cpu_id().encode() + str(torch_lib).encode()
                          + march.encode()).hexdigest()[:16]
     out = _cache_dir() / f"cpu_kernels-{key}.so"

@@ -3,7 +3,9 @@
 On CPU in float32, oneDNN's GEMM beats MKL's sgemm on the AMD machines measured here (lm_head
 49152x576: 11 vs 22 ms at one row, 46 vs 84 ms at 64 rows, 2 threads; see bench/NOTES-cpu.md);
 XINFER_ONEDNN=0 goes back to MKL for comparisons. A weight that also has GGUF blocks
-(ops/quant.py) sends small batches to the quantized kernels, which read a fraction of the bytes.
+(ops/quant.py) sends small batches to the quantized kernels, which read a fraction of the bytes;
+with --cpu-matmul bfloat16 the rest runs on a bfloat16 copy of the weight (activations rounded to
+bfloat16, float32 accumulation and output): 2-6x float32's GEMM speed on AVX512_BF16 (bench/NOTES-cpu.md).
 """
 from __future__ import annotations
 
@@ -11,16 +13,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ops.quant import MAX_ROWS
+from ops.quant import MAX_ROWS, max_rows
+
+BF16_ROWS = max_rows(True)
 from xinfer import envs
 
 _ONEDNN = (envs.onednn() and torch.backends.mkldnn.is_available()
            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, blocks=None) -> torch.Tensor:
-    if blocks is not None and 0 < x.shape[0] <= MAX_ROWS and x.dim() == 2 and x.dtype == torch.float32:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, blocks=None,
+           fast: torch.Tensor | None = None) -> torch.Tensor:
+    """`fast`: the weight in bfloat16 (--cpu-matmul bfloat16), for what the blocks do not take."""
+    if blocks is not None and 0 < x.shape[0] <= (BF16_ROWS if fast is not None else MAX_ROWS) and x.dim() == 2 \
+            and x.dtype == torch.float32:
         y = blocks(x)
+        return y if bias is None else y.add_(bias)
+    if fast is not None and x.dtype == torch.float32:
+        y = F.linear(x.to(torch.bfloat16), fast).float()
         return y if bias is None else y.add_(bias)
     if _ONEDNN and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] > 0:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")

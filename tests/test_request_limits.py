@@ -110,7 +110,8 @@ def test_openapi_document_names_every_route_with_its_body(base):
     status, doc = call(base, "/openapi.json")
     assert status == 200 and doc["openapi"].startswith("3.")
     posts = {p for p, ops in doc["paths"].items() if "post" in ops}
-    assert posts == {CHAT, "/v1/completions", "/tokenize", "/detokenize"}
+    assert posts == {CHAT, "/v1/completions", "/tokenize", "/detokenize", "/v1/embeddings", "/v1/responses",
+                     "/v1/messages", "/v1/messages/count_tokens"}
     assert {"/health", "/v1/models", "/v1/models/{model_id}", "/openapi.json"} <= set(doc["paths"])
     chat = doc["paths"][CHAT]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert "$ref" not in json.dumps(doc["paths"])  # each request schema stands alone

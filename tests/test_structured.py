@@ -27,6 +27,7 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 # ---- the specs ----
 
 @pytest.mark.parametrize("so", [SO.json(PERSON), SO.json(), SO.regex(r"\d{3}-\d{4}"), SO.choice(["a", "b c"]),
+                                SO.json({"type": "object", "properties": {"not": {"type": "string"}}}),
                                 SO.grammar('root ::= "x" [0-9]+'), SO("json", "true"),
                                 SO.structural_tag({"type": "structural_tag", "format": {"type": "const_string",
                                                                                       "value": "hi"}})])
@@ -40,6 +41,9 @@ def test_good_specs_parse(so):
     (SO("json", "[1, 2]"), "a JSON schema is an object"),
     (SO("json", '{"type": "string", "pattern": "(("}'), "invalid JSON schema"),
     (SO("json", '{"type": "object", "minProperties": 1000000}'), "minProperties"),
+    (SO("json", '{"type": "integer", "multipleOf": 3}'), "the keyword 'multipleOf' is not supported"),
+    (SO("json", '{"type": "object", "properties": {"a": {"if": {"type": "string"}}}}'), "'if' is not supported"),
+    (SO("json", '{"anyOf": [{"not": {"type": "string"}}]}'), "'not' is not supported"),
     (SO.regex("(a"), "invalid regex: Regex parsing error"),
     (SO.grammar('root ::= "a'), "invalid grammar: EBNF lexer error"),
     (SO.grammar("nothing ::= \"a\""), "invalid grammar"),

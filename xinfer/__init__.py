@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Engine": "xinfer.engine", "RequestOutput": "xinfer.engine", "Delta": "xinfer.engine",
-    "EngineConfig": "xinfer.config", "SamplingParams": "xinfer.sampling_params",
+    "EmbeddingModel": "xinfer.embedding_model", "EngineConfig": "xinfer.config", "SamplingParams": "xinfer.sampling_params",
     "XinferError": "xinfer.errors", "ModelLoadError": "xinfer.errors", "InvalidRequestError": "xinfer.errors",
 }
 __all__ = list(_EXPORTS)

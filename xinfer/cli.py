@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import importlib.metadata
 import importlib.util
+import os
 import sys
 import time
 
@@ -79,6 +80,8 @@ def cmd_serve(args) -> int:
     if args.reasoning_parser is not None:
         reasoning_markers(None, args.reasoning_parser)  # an unknown name stops here, with the list
     mcp_servers = mcp_check(args)
+    if args.embedding_model and not os.path.isfile(os.path.join(args.embedding_model, "config.json")):
+        raise ValueError(f"--embedding-model {args.embedding_model}: not an HF model folder (no config.json)")
     api_options = dict(ui_port=args.port + 1 if args.ui_server else None,
                        api_key=args.api_key or envs.api_key(),
                        max_n=args.max_n, max_prompts=args.max_prompts_per_request,
@@ -95,7 +98,8 @@ def cmd_serve(args) -> int:
                        allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
                        keep_alive_timeout=args.keep_alive_timeout, request_read_timeout=args.request_read_timeout,
                        max_connections_per_client=args.max_connections_per_client,
-                       mcp_servers=mcp_servers, mcp_max_rounds=args.mcp_max_rounds, mcp_timeout=args.mcp_timeout)
+                       mcp_servers=mcp_servers, mcp_max_rounds=args.mcp_max_rounds, mcp_timeout=args.mcp_timeout,
+                       embedding_model=args.embedding_model, embedding_pooling=args.embedding_pooling)
     return launch(engine_config(args), args.host, args.port, args.log_level, args.max_queued_requests,
                   args.drain_timeout, args.startup_timeout, api_options)
 
@@ -208,6 +212,11 @@ def main(argv=None) -> int:
                         "returned as it is")
     s.add_argument("--mcp-timeout", type=float, default=30.0,
                    help="seconds an MCP tool call may take (a restart of its server included)")
+    s.add_argument("--embedding-model", default=None, metavar="PATH",
+                   help="an HF folder of a BERT-style encoder (e.g. all-MiniLM-L6-v2) that serves /v1/embeddings, "
+                        "in the API process on the CPU; default: the served model's pooled hidden states")
+    s.add_argument("--embedding-pooling", default="mean", choices=["mean", "cls"],
+                   help="--embedding-model's pooling: mean over the tokens, or the [CLS] token")
     s.add_argument("--ui-server", action="store_true",
                    help="also serve the web chat page on port + 1 (the API port serves it at / too)")
     s.add_argument("--startup-timeout", type=float, default=600.0,

@@ -18,6 +18,10 @@ class EngineConfig:
     # batches read through ops/cpu_kernels.c (exact weights, a fraction of the bytes); none: float
     # weights only. auto: gguf where it can run (CPU, float32, the kernels build), else none.
     quantization: str = "auto"
+    # CPU GEMMs of batched decode and prefill: bfloat16 (oneDNN, on BF16 dot-product units) or float32.
+    # auto: bfloat16 where the CPU has AVX512_BF16 or AMX and --dtype is auto, else float32; an explicit
+    # --dtype float32 keeps every matmul float32 (exact against transformers).
+    cpu_matmul: str = "auto"
     attention_backend: str = "auto"  # torch / triton / flashinfer / auto
     max_num_seqs: int = 64
     max_model_len: int | None = None  # None: the model's context; the engine core caps it by the KV cache
@@ -69,6 +73,8 @@ class EngineConfig:
             raise ValueError(f"--quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.pooling not in POOLINGS:
             raise ValueError(f"--pooling must be one of {list(POOLINGS)}, got {self.pooling!r}")
+        if self.cpu_matmul not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"--cpu-matmul must be auto, float32 or bfloat16, got {self.cpu_matmul!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"--load-format must be 'auto' or 'dummy', got {self.load_format!r}")
         self.read_chat_template()  # an unreadable file stops the start here, not in a child process
@@ -79,8 +85,13 @@ class EngineConfig:
         if self.device == "auto":
             import torch
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        fast = self.dtype == "auto"
         if self.dtype == "auto":
             self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+        if self.cpu_matmul == "auto":
+            from ops import cpu_isa
+            cpu = self.device.startswith("cpu") and self.dtype == "float32"
+            self.cpu_matmul = "bfloat16" if cpu and fast and cpu_isa.has_bf16() else "float32"
         return self.resolve_context(model_config)
 
     def resolve_context(self, model_config: dict) -> "EngineConfig":

@@ -33,9 +33,11 @@ def strict_tool_call() -> bool:
     return _flag("XINFER_STRICT_TOOL_CALL", False)
 
 
-def quant_max_rows() -> int:
-    """XINFER_QUANT_MAX_ROWS: the largest batch that reads GGUF blocks (more rows use float weights)."""
-    return int(os.environ.get("XINFER_QUANT_MAX_ROWS", "16"))
+def quant_max_rows() -> int | None:
+    """XINFER_QUANT_MAX_ROWS: the largest batch that reads GGUF blocks (more rows use the GEMMs);
+    default: measured per matmul kind (ops/quant.py max_rows)."""
+    v = os.environ.get("XINFER_QUANT_MAX_ROWS")
+    return int(v) if v else None
 
 
 def cpu_decode() -> bool:
@@ -48,9 +50,14 @@ def cpu_kernels() -> bool:
     return os.environ.get("XINFER_CPU_KERNELS") != "0"
 
 
-def cpu_march() -> str:
-    """XINFER_CPU_MARCH: -march for the CPU kernels (default native)."""
-    return os.environ.get("XINFER_CPU_MARCH", "native")
+def cpu_march() -> str | None:
+    """XINFER_CPU_MARCH: -march for the CPU kernels (default: native, or the level XINFER_CPU_ISA forces)."""
+    return os.environ.get("XINFER_CPU_MARCH") or None
+
+
+def cpu_isa() -> str | None:
+    """XINFER_CPU_ISA: a lower vector-unit level to run at (ops/cpu_isa.py), to test its paths."""
+    return os.environ.get("XINFER_CPU_ISA") or None
 
 
 def cache_dir() -> str:

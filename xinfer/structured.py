@@ -84,6 +84,33 @@ def _choices_ebnf(spec: str) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+# JSON-schema keywords xgrammar would ignore without a word (checked on xgrammar 0.2.9): a schema
+# using one is refused, not silently loosened.
+UNSUPPORTED = frozenset({"multipleOf", "if", "then", "else", "not", "dependentRequired", "dependentSchemas",
+                         "dependencies", "unevaluatedProperties", "unevaluatedItems", "contentEncoding",
+                         "contentMediaType", "contentSchema", "$dynamicRef", "$dynamicAnchor", "minContains",
+                         "maxContains"})
+_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> schema
+_ONE = ("items", "additionalProperties", "additionalItems", "contains", "propertyNames")
+_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+
+
+def unsupported_keyword(schema, depth: int = 0) -> str | None:
+    """The first keyword of UNSUPPORTED used as a schema keyword anywhere in `schema` (a property
+    named "not" is fine)."""
+    if not isinstance(schema, dict) or depth > 64:
+        return None
+    bad = next((k for k in schema if k in UNSUPPORTED), None)
+    if bad is not None:
+        return bad
+    subs = [v for k in _MAPS if isinstance(schema.get(k), dict) for v in schema[k].values()]
+    subs += [schema[k] for k in _ONE if k in schema]
+    subs += [v for k in _LISTS if isinstance(schema.get(k), list) for v in schema[k]]
+    if isinstance(schema.get("items"), list):
+        subs += schema["items"]
+    return next((b for v in subs if (b := unsupported_keyword(v, depth + 1)) is not None), None)
+
+
 def grammar_of(so: StructuredOutput):
     """The tokenizer-independent xgrammar Grammar of `so`; InvalidRequestError naming what is wrong."""
     if so.kind not in KINDS:
@@ -96,8 +123,12 @@ def grammar_of(so: StructuredOutput):
         if so.kind == "json_object":
             return xgr.Grammar.builtin_json_grammar()
         if so.kind == "json":
-            if not isinstance(json.loads(so.spec), (dict, bool)):
+            schema = json.loads(so.spec)
+            if not isinstance(schema, (dict, bool)):
                 raise ValueError("a JSON schema is an object")
+            bad = unsupported_keyword(schema)
+            if bad is not None:
+                raise ValueError(f"the keyword {bad!r} is not supported")
             return xgr.Grammar.from_json_schema(so.spec, any_whitespace=False, strict_mode=True)
         if so.kind == "regex":
             return xgr.Grammar.from_regex(so.spec)

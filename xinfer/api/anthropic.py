@@ -10,13 +10,13 @@ import uuid
 import msgspec
 from sanic import Sanic, response
 
-from xinfer.api.chat import _prepare
-from xinfer.api.protocol import ApiError, decode, sampling_params, warn_unknown_fields
+from xinfer.api.chat import prepare
+from xinfer.api.protocol import ApiError, decode, sampling_params
 from xinfer.api.responses import ChoiceState
 from xinfer.api.schema import ChatRequest
 from xinfer.api.schema_anthropic import AnthropicBase, CountTokensRequest, MessagesRequest
 from xinfer.api.state import ApiState
-from xinfer.api.streaming import _merged, stream_error
+from xinfer.api.streaming import merged, stream_error
 from xinfer.sampling_params import SamplingParams
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -37,19 +37,17 @@ def register(app: Sanic, s: ApiState, protected) -> None:
     @protected
     async def messages(request):
         with s.admitted():
-            body = decode(request.body, MessagesRequest)
-            warn_unknown_fields(request.body, MessagesRequest)
-            s.check_model(body.model)
+            body = s.read(request, MessagesRequest)
             chat = to_chat(body)
             params = sampling_params(chat, chat=True, max_n=1)
-            ids, spec = await s.offload(_prepare, s, chat, params)
+            ids, spec = await s.offload(prepare, s, chat, params)
             s.check([ids], params)
             rid = "msg_" + uuid.uuid4().hex
             head = {"id": rid, "type": "message", "role": "assistant", "model": body.model or s.model_name}
             if body.stream:
                 return await _stream(s, request, rid, head, ids, params, spec)
             st = ChoiceState()
-            async for _, o in _merged(s, rid, [ids], params, spec):
+            async for _, o in merged(s, rid, [ids], params, spec):
                 if o is not None:
                     st.add(o)
             return response.json({**head, "content": _blocks(st), **_stop(st), "usage": _usage(ids, st)})
@@ -59,7 +57,7 @@ def register(app: Sanic, s: ApiState, protected) -> None:
     async def count_tokens(request):
         body = decode(request.body, CountTokensRequest)
         s.check_model(body.model)
-        ids, _ = await s.offload(_prepare, s, to_chat(body), SamplingParams())
+        ids, _ = await s.offload(prepare, s, to_chat(body), SamplingParams())
         return response.json({"input_tokens": len(ids)})
 
 
@@ -211,7 +209,7 @@ async def _stream(s: ApiState, request, rid, head, ids, params, spec):
                                                       "stop_sequence": None,
                                                       "usage": {"input_tokens": len(ids), "output_tokens": 0}}})
     try:
-        async for _, o in _merged(s, rid, [ids], params, spec):
+        async for _, o in merged(s, rid, [ids], params, spec):
             if o is None:
                 await event({"type": "ping"})
                 continue

@@ -133,10 +133,18 @@ def _load_state(config: EngineConfig, opts: ApiOptions, max_queued_requests: int
     markers = reasoning_markers(template, opts.reasoning_parser)
     log.info("tool-call parser %s, reasoning markers %s", tool_parser, markers)
     names = opts.served_model_names or [info.name]
-    return ApiState(opts=opts, tok=tok, model_names=names,
+    s = ApiState(opts=opts, tok=tok, model_names=names,
                     vocab_size=info.config["vocab_size"], template=template, tool_parser=tool_parser,
                     markers=markers, strs=TokenStrings(tok), metrics=Metrics(names[0]), config=config,
                     max_queued_requests=max_queued_requests, hidden_size=info.config.get("hidden_size") or 0)
+    if opts.embedding_model:  # torch comes into the API process with it, and only then
+        from xinfer.api.embed_batcher import EmbedBatcher
+        from xinfer.embedding_model import EmbeddingModel
+        model = EmbeddingModel(opts.embedding_model, opts.embedding_pooling)
+        log.info("embedding model %s (%s pooling, %d dimensions, up to %d tokens) serves /v1/embeddings",
+                 model.name, model.pooling, model.hidden_size, model.max_len)
+        s.embedder = EmbedBatcher(model, s.offload)
+    return s
 
 
 def _key_check(api_key: str | None):

@@ -7,7 +7,7 @@ from sanic import Sanic
 
 from xinfer.api import mcp_chat
 from xinfer.api.constraints import after_reasoning, checked, for_tools, requested
-from xinfer.api.protocol import chat_text, decode, parse_tools, sampling_params, warn_unknown_fields
+from xinfer.api.protocol import chat_text, parse_tools, sampling_params
 from xinfer.api.schema import ChatRequest
 from xinfer.api.state import ApiState
 from xinfer.api.streaming import respond
@@ -22,18 +22,16 @@ def register(app: Sanic, s: ApiState, protected) -> None:
     @protected
     async def chat_completions(request):
         with s.admitted():
-            body = decode(request.body, ChatRequest)
-            warn_unknown_fields(request.body, ChatRequest)
-            s.check_model(body.model)
+            body = s.read(request, ChatRequest)
             if mcp_chat.applies(s, body):
-                return await mcp_chat.respond(s, request, body, _prepare)
+                return await mcp_chat.respond(s, request, body, prepare)
             params = sampling_params(body, chat=True, max_n=s.opts.max_n)
-            ids, spec = await s.offload(_prepare, s, body, params)
+            ids, spec = await s.offload(prepare, s, body, params)
             s.check([ids], params)
             return await respond(s, request, body, [ids], params, spec, chat=True)
 
 
-def _prepare(s: ApiState, body: ChatRequest, params) -> tuple[list[int], ParseSpec]:
+def prepare(s: ApiState, body: ChatRequest, params) -> tuple[list[int], ParseSpec]:
     """(prompt ids, what the parser process does with the output) for a chat request; sets the
     request's grammar (params.structured) for a forced tool call or a structured output."""
     s.need_tokenizer()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from sanic import Sanic
 
 from xinfer.api.constraints import checked, requested
-from xinfer.api.protocol import completion_prompts, decode, sampling_params, warn_unknown_fields
+from xinfer.api.protocol import completion_prompts, sampling_params
 from xinfer.api.schema import CompletionRequest
 from xinfer.api.state import ApiState
 from xinfer.api.streaming import respond
@@ -16,9 +16,7 @@ def register(app: Sanic, s: ApiState, protected) -> None:
     @protected
     async def completions(request):
         with s.admitted():
-            body = decode(request.body, CompletionRequest)
-            warn_unknown_fields(request.body, CompletionRequest)
-            s.check_model(body.model)
+            body = s.read(request, CompletionRequest)
             params = sampling_params(body, chat=False, max_n=s.opts.max_n)
             params.structured = requested(body)
             prompts = await s.offload(_prepare, s, body, params)

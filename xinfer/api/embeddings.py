@@ -1,6 +1,7 @@
 """/v1/embeddings (OpenAI's): one L2-normalised vector per input, the served model's final hidden
 states pooled as --pooling says. Each input is a prefill-only request through the same scheduler
-as a generation (SamplingParams.embed); `dimensions` truncates and renormalises here."""
+as a generation (SamplingParams.embed); `dimensions` truncates and renormalises here. With
+--embedding-model, that encoder answers instead (embed_batcher.py), the generation engine untouched."""
 from __future__ import annotations
 
 import base64
@@ -13,7 +14,7 @@ from sanic import Sanic, response
 from xinfer.api.protocol import ApiError, decode, warn_unknown_fields
 from xinfer.api.schema_embeddings import EmbeddingRequest
 from xinfer.api.state import ApiState
-from xinfer.api.streaming import _merged
+from xinfer.api.streaming import merged
 from xinfer.errors import InvalidRequestError
 from xinfer.sampling_params import embedding_params
 
@@ -25,10 +26,15 @@ def register(app: Sanic, s: ApiState, protected) -> None:
         with s.admitted():
             body = decode(request.body, EmbeddingRequest)
             warn_unknown_fields(request.body, EmbeddingRequest)
-            s.check_model(body.model)
-            if body.dimensions is not None and s.hidden_size and body.dimensions > s.hidden_size:
-                raise ApiError(f"dimensions must be <= {s.hidden_size} (the model's hidden size), got "
+            e = s.embedder
+            if e is None or body.model != e.name:
+                s.check_model(body.model)
+            hidden = e.model.hidden_size if e is not None else s.hidden_size
+            if body.dimensions is not None and hidden and body.dimensions > hidden:
+                raise ApiError(f"dimensions must be <= {hidden} (the model's hidden size), got "
                                f"{body.dimensions}", param="dimensions")
+            if e is not None:
+                return await _by_embedding_model(s, e, body)
             prompts = await s.offload(_inputs, s, body)
             params = embedding_params()
             for i, ids in enumerate(prompts):  # the check every request gets; its words name the input
@@ -38,15 +44,26 @@ def register(app: Sanic, s: ApiState, protected) -> None:
                     raise ApiError(f"input[{i}]: {e}", param="input", code=e.code) from None
             vecs: list[bytes] = [b""] * len(prompts)
             # as /v1/completions' prompts: a running batch's worth at a time, --request-timeout over all
-            async for i, o in _merged(s, "embd-" + uuid.uuid4().hex, prompts, params, None):
+            async for i, o in merged(s, "embd-" + uuid.uuid4().hex, prompts, params, None):
                 if o is not None and o.finish_reason:
                     vecs[i] = o.embedding
             raw = await s.offload(_answer, s.model_name, body, prompts, vecs)
             return response.raw(raw, content_type="application/json")
 
 
-def _inputs(s: ApiState, body: EmbeddingRequest) -> list[list[int]]:
-    """The inputs as token ids: one string, one token list, or a list of either."""
+async def _by_embedding_model(s: ApiState, e, body: EmbeddingRequest):
+    """--embedding-model: its tokenizer, its limits (each input checked by the model), its batcher."""
+    prompts = await s.offload(_inputs, s, body, e.model)
+    for i, ids in enumerate(prompts):
+        e.model.check(ids, f"input[{i}]")  # InvalidRequestError: a 400 naming the input
+    vecs = [v.tobytes() for v in (await e.embed(prompts)).astype("<f4")]
+    raw = await s.offload(_answer, e.name, body, prompts, vecs)
+    return response.raw(raw, content_type="application/json")
+
+
+def _inputs(s: ApiState, body: EmbeddingRequest, model=None) -> list[list[int]]:
+    """The inputs as token ids: one string, one token list, or a list of either; `model`: the
+    --embedding-model that tokenizes (else the served model's tokenizer)."""
     x = body.input
     if isinstance(x, str) or all(isinstance(t, int) for t in x):
         x = [x]
@@ -61,6 +78,8 @@ def _inputs(s: ApiState, body: EmbeddingRequest) -> list[list[int]]:
         raise ApiError(f"input[{empty}] is empty", param="input")
     if isinstance(x[0], list):
         return x  # token ids and lengths are checked with the rest (check_request)
+    if model is not None:
+        return model.encode(x)
     if s.tok is None:
         raise ApiError("this model has no tokenizer: send the input as token ids", param="input")
     return [s.tok.encode(t) for t in x]

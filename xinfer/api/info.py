@@ -37,7 +37,8 @@ def register(app: Sanic, s: ApiState, protected) -> None:
     @app.get("/v1/models")
     @protected
     async def models(request):
-        return response.json({"object": "list", "data": [_model_card(s)]})
+        extra = [_embedder_card(s)] if s.embedder is not None else []
+        return response.json({"object": "list", "data": [_model_card(s)] + extra})
 
     @app.get("/openapi.json")
     @protected
@@ -49,6 +50,8 @@ def register(app: Sanic, s: ApiState, protected) -> None:
     @app.get("/v1/models/<model_id:path>")
     @protected
     async def model(request, model_id):
+        if s.embedder is not None and model_id == s.embedder.name:
+            return response.json(_embedder_card(s))
         s.check_model(model_id, strict=True)  # a listing: only the served names (aliases) exist
         return response.json(_model_card(s))
 
@@ -56,3 +59,9 @@ def register(app: Sanic, s: ApiState, protected) -> None:
 def _model_card(s: ApiState) -> dict:
     return {"id": s.model_name, "object": "model", "created": 0, "owned_by": "xinfer",
             "max_model_len": s.max_model_len}
+
+
+def _embedder_card(s: ApiState) -> dict:
+    """--embedding-model's: it answers /v1/embeddings only."""
+    return {"id": s.embedder.name, "object": "model", "created": 0, "owned_by": "xinfer",
+            "max_model_len": s.embedder.model.max_len}

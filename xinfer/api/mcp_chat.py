@@ -21,7 +21,7 @@ from xinfer.api.protocol import sampling_params, usage
 from xinfer.api.responses import ChoiceState, chat_delta, chat_logprobs
 from xinfer.api.schema import Message, Tool
 from xinfer.api.state import ApiState
-from xinfer.api.streaming import _dumps, _log_chat, _merged, _reasoning_tokens, stream_error
+from xinfer.api.streaming import dumps, log_chat, merged, reasoning_tokens, stream_error
 from xinfer.ipc.step import unpack_ids
 
 
@@ -88,7 +88,7 @@ class Rounds:
             st, self.held = ChoiceState(), set()
             self.states.append(st)
             self.prompt_tokens += len(ids)
-            async for _, o in _merged(s, f"{rid}.{n}", [ids], params, spec):
+            async for _, o in merged(s, f"{rid}.{n}", [ids], params, spec):
                 if o is not None:
                     st.add(o)
                     self.held.update(c.index for c in o.tool_calls if c.name in self.mcp_names)
@@ -126,7 +126,7 @@ class Rounds:
     async def usage(self) -> dict:
         sts = self.states
         return usage(self.prompt_tokens, sum(st.tokens for st in sts), sum(st.cached for st in sts),
-                     await _reasoning_tokens(self.s, sts))
+                     await reasoning_tokens(self.s, sts))
 
     def held_calls(self) -> list[dict]:
         """The last reply's MCP calls that were not run (it came after the last round), as stream deltas."""
@@ -135,7 +135,7 @@ class Rounds:
 
 
 async def respond(s: ApiState, request, body, prepare):
-    """The answer to a chat request with MCP tools; `prepare`: chat._prepare."""
+    """The answer to a chat request with MCP tools; `prepare`: chat.prepare."""
     rounds = Rounds(s, body, prepare)
     first = await rounds.round(list(body.messages), body.tool_choice, True)
     rid = "chatcmpl-" + uuid.uuid4().hex
@@ -160,7 +160,7 @@ async def respond(s: ApiState, request, body, prepare):
         lp = {"content": chat_logprobs(s.strs, [i for x in sts for i in x.logprob_ids],
                                        [e for x in sts for e in x.logprobs])}
     choice = {"index": 0, "message": msg, "logprobs": lp, "finish_reason": st.finish_reason}
-    _log_chat(s, body, [choice])
+    log_chat(s, body, [choice])
     return response.json({**base, "choices": [choice], "usage": await rounds.usage()})
 
 
@@ -174,7 +174,7 @@ async def _stream(s: ApiState, request, body, rounds: Rounds, rid, base, first):
                    "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
         if include_usage:
             payload["usage"] = None
-        await resp.send("data: " + _dumps(payload) + "\n\n")
+        await resp.send("data: " + dumps(payload) + "\n\n")
 
     try:
         await send({"role": "assistant", "content": ""})
@@ -198,12 +198,12 @@ async def _stream(s: ApiState, request, body, rounds: Rounds, rid, base, first):
         st = rounds.states[-1]
         await send({}, st.finish_reason)
         if include_usage:
-            await resp.send("data: " + _dumps({**base, "object": "chat.completion.chunk", "choices": [],
+            await resp.send("data: " + dumps({**base, "object": "chat.completion.chunk", "choices": [],
                                                "usage": await rounds.usage()}) + "\n\n")
-        _log_chat(s, body, [{"index": 0, "message": {"content": "".join(t for x in rounds.states for t in x.content),
+        log_chat(s, body, [{"index": 0, "message": {"content": "".join(t for x in rounds.states for t in x.content),
                                                      "tool_calls": st.tool_calls(), "mcp_calls": rounds.calls},
                              "finish_reason": st.finish_reason}])
     except Exception as e:  # the stream has started: report in-band, then end it
-        await resp.send("data: " + _dumps({"error": stream_error(rid, e).body()["error"]}) + "\n\n")
+        await resp.send("data: " + dumps({"error": stream_error(rid, e).body()["error"]}) + "\n\n")
     await resp.send("data: [DONE]\n\n")
     await resp.eof()

@@ -13,13 +13,13 @@ from collections import OrderedDict
 import msgspec
 from sanic import Sanic, response
 
-from xinfer.api.chat import _prepare
-from xinfer.api.protocol import ApiError, decode, sampling_params, warn_unknown_fields
+from xinfer.api.chat import prepare
+from xinfer.api.protocol import ApiError, sampling_params
 from xinfer.api.responses import ChoiceState
 from xinfer.api.schema import ChatRequest
 from xinfer.api.schema_responses import ResponsesRequest
 from xinfer.api.state import ApiState
-from xinfer.api.streaming import _merged, stream_error
+from xinfer.api.streaming import merged, stream_error
 
 RESPONSES_KEPT = 1024
 RESPONSES_TTL = 3600.0
@@ -55,21 +55,19 @@ def register(app: Sanic, s: ApiState, protected) -> None:
     @protected
     async def create(request):
         with s.admitted():
-            body = decode(request.body, ResponsesRequest)
-            warn_unknown_fields(request.body, ResponsesRequest)
-            s.check_model(body.model)
+            body = s.read(request, ResponsesRequest)
             history = store.get(body.previous_response_id)[1] if body.previous_response_id else []
             conversation = history + _messages(body)
             chat = to_chat(body, conversation)
             params = sampling_params(chat, chat=True, max_n=1)
-            ids, spec = await s.offload(_prepare, s, chat, params)
+            ids, spec = await s.offload(prepare, s, chat, params)
             s.check([ids], params)
             r = _Response(body, "resp_" + uuid.uuid4().hex, body.model or s.model_name)
             if body.stream:
                 out = await _stream(s, request, r, ids, params, spec)
             else:
                 st = ChoiceState()
-                async for _, o in _merged(s, r.id, [ids], params, spec):
+                async for _, o in merged(s, r.id, [ids], params, spec):
                     if o is not None:
                         st.add(o)
                 out = r.whole(st, ids)
@@ -262,7 +260,7 @@ async def _stream(s: ApiState, request, r: _Response, ids, params, spec):
     await event("response.created", response=r.body_of(ids, "in_progress"))
     await event("response.in_progress", response=r.body_of(ids, "in_progress"))
     try:
-        async for _, o in _merged(s, r.id, [ids], params, spec):
+        async for _, o in merged(s, r.id, [ids], params, spec):
             if o is None:
                 continue
             r.st.add(o)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from xinfer.api.engine_client import EngineClient
 from xinfer.api.metrics import Metrics
-from xinfer.api.protocol import ApiError
+from xinfer.api.protocol import ApiError, decode, warn_unknown_fields
 from xinfer.api.responses import TokenStrings
 from xinfer.config import EngineConfig
 from xinfer.sampling_params import check_request, tokenize_bad_words
@@ -43,6 +43,8 @@ class ApiOptions:
     mcp_servers: dict | None = None  # name -> server spec (xinfer/api/mcp_servers.py load_config); None: no MCP
     mcp_max_rounds: int = 5  # rounds of MCP calls in one chat request
     mcp_timeout: float = 30.0  # seconds per MCP tool call
+    embedding_model: str | None = None  # an HF encoder folder that serves /v1/embeddings; None: the served model
+    embedding_pooling: str = "mean"  # its pooling: mean or cls
     # HTTP-level limits (xinfer/api/guard.py)
     allowed_hosts: list[str] | None = None  # None: loopback names when bound to loopback, else any
     allowed_origins: list[str] = field(default_factory=list)  # cross-origin pages allowed to POST ("*": any)
@@ -71,6 +73,7 @@ class ApiState:
     active: int = 0  # generation requests admitted and not yet answered
     launched: bool = False  # under the supervisor: its SIGUSR1 says every process is ready
     mcp: object = None  # the running MCP servers (xinfer/api/mcp_servers.Servers), made when the server starts
+    embedder: object = None  # --embedding-model's EmbedBatcher (xinfer/api/embed_batcher.py); None: not given
 
     async def offload(self, fn, *args):
         """Run heavy work (templates, tokenizing, large responses) off the event loop, at most
@@ -110,6 +113,14 @@ class ApiState:
         """The engine's context once it is ready (capped by what its KV cache holds), else the configured one."""
         ready = self.client.ready if self.client is not None else None
         return ready.max_model_len if ready is not None else self.config.max_model_len
+
+    def read(self, request, kind: type):
+        """A generation route's body: decoded into `kind` (a 400 at fault), its unknown fields logged,
+        its model name checked."""
+        body = decode(request.body, kind)
+        warn_unknown_fields(request.body, kind)
+        self.check_model(body.model)
+        return body
 
     def check_model(self, name, strict: bool | None = None) -> None:
         """A single-model server answers any name (as llama-server does), unless --strict-model-names."""

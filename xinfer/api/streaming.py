@@ -24,7 +24,7 @@ from xinfer.ipc.step import unpack_ids
 log = logging.getLogger("xinfer.api")
 
 
-async def _merged(s: ApiState, rid, prompts, params, spec):
+async def merged(s: ApiState, rid, prompts, params, spec):
     """Every prompt's choices: (global choice index, TextDelta or None for keep-alive). Many prompts
     are admitted to the engine in chunks of a running batch's worth, the next as one finishes: the
     engine's queue (and --max-queue-wait) only sees what can start soon, and results stream meanwhile."""
@@ -65,7 +65,7 @@ async def _merged(s: ApiState, rid, prompts, params, spec):
             t.cancel()
 
 
-async def _reasoning_tokens(s: ApiState, states) -> int:
+async def reasoning_tokens(s: ApiState, states) -> int:
     texts = ["".join(st.reasoning) for st in states]
     if not any(texts):
         return 0
@@ -74,7 +74,7 @@ async def _reasoning_tokens(s: ApiState, states) -> int:
 
 async def _usage(s: ApiState, prompts, n, states) -> dict:
     return usage(sum(len(p) for p in prompts) * n, sum(st.tokens for st in states),
-                 sum(st.cached for st in states), await _reasoning_tokens(s, states))
+                 sum(st.cached for st in states), await reasoning_tokens(s, states))
 
 
 def _scored(params, states, p_i) -> list:
@@ -110,7 +110,7 @@ async def respond(s: ApiState, request, body, prompts, params, spec, chat: bool)
         return await _stream(s, request, rid, base, prompts, params, spec, chat, body)
     n = params.n
     states = [ChoiceState() for _ in range(len(prompts) * n)]
-    async for idx, o in _merged(s, rid, prompts, params, spec):
+    async for idx, o in merged(s, rid, prompts, params, spec):
         if o is not None:
             states[idx].add(o)
     choices, top = [], {}
@@ -140,7 +140,7 @@ async def respond(s: ApiState, request, body, prompts, params, spec, chat: bool)
                 p_i = idx // n
                 choices[-1]["prompt_logprobs"] = prompt_logprobs(s.strs, prompts[p_i], _scored(params, states, p_i))
     if chat:
-        _log_chat(s, body, choices)
+        log_chat(s, body, choices)
         if scored:  # and in a chat completion: the response (one prompt)
             top["prompt_logprobs"] = prompt_logprobs(s.strs, prompts[0], _scored(params, states, 0))
     return response.json({**base, "choices": choices, "usage": await _usage(s, prompts, n, states), **top})
@@ -162,7 +162,7 @@ async def _stream(s: ApiState, request, rid, base, prompts, params, spec, chat, 
         elif include_usage:
             payload["usage"] = None
         payload.update(extra or {})
-        await resp.send("data: " + _dumps(payload) + "\n\n")
+        await resp.send("data: " + dumps(payload) + "\n\n")
 
     n = params.n
     states = [ChoiceState() for _ in range(len(prompts) * n)]
@@ -177,7 +177,7 @@ async def _stream(s: ApiState, request, rid, base, prompts, params, spec, chat, 
             for i in range(len(states)):
                 text_len[i] = len(_echo(s, body, prompts, i // n))
         echoed = set()
-        async for idx, o in _merged(s, rid, prompts, params, spec):
+        async for idx, o in merged(s, rid, prompts, params, spec):
             if o is None:
                 await resp.send(": keep-alive\n\n")
                 continue
@@ -205,12 +205,12 @@ async def _stream(s: ApiState, request, rid, base, prompts, params, spec, chat, 
         if include_usage:
             await send([], {"usage": await _usage(s, prompts, n, states)})
         if chat:
-            _log_chat(s, body, [{"index": i, "message": {"content": "".join(st.content),
+            log_chat(s, body, [{"index": i, "message": {"content": "".join(st.content),
                                                          "reasoning_content": "".join(st.reasoning),
                                                          "tool_calls": st.tool_calls()},
                                  "finish_reason": st.finish_reason} for i, st in enumerate(states)])
     except Exception as e:  # the stream has started: report in-band, then end it
-        await resp.send("data: " + _dumps({"error": stream_error(rid, e).body()["error"]}) + "\n\n")
+        await resp.send("data: " + dumps({"error": stream_error(rid, e).body()["error"]}) + "\n\n")
     await resp.send("data: [DONE]\n\n")
     await resp.eof()
 
@@ -225,13 +225,13 @@ def stream_error(rid: str, e: Exception) -> ApiError:
     return ApiError(str(e), status=500, kind="server_error")
 
 
-def _log_chat(s: ApiState, body, choices):
+def log_chat(s: ApiState, body, choices):
     """XINFER_CHAT_LOGGER=1: one JSON line per conversation turn in ./log."""
     if not envs.chat_logger():
         return
     try:
         os.makedirs("log", exist_ok=True)
-        line = _dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": s.model_name,
+        line = dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": s.model_name,
                        "messages": msgspec.to_builtins(body.messages), "choices": choices})
         with open(os.path.join("log", time.strftime("chat-%Y%m%d.jsonl")), "a") as f:
             f.write(line + "\n")
@@ -239,5 +239,5 @@ def _log_chat(s: ApiState, body, choices):
         log.warning("chat logger: %s", e)
 
 
-def _dumps(obj) -> str:
+def dumps(obj) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))

@@ -38,13 +38,14 @@ class Linear(nn.Module):
         self.weight = _param(sum(out_sizes), in_features, loader=loader)
         self.bias = _param(sum(out_sizes), loader=loader) if bias else None
         self.blocks = None  # a QuantWeight beside `weight` (attach_blocks)
+        self.fast = None  # the weight in bfloat16 (attach_bf16)
 
     def _load_shard(self, param, loaded, shard):
         start, size = self.shards[shard]
         default_loader(param.data.narrow(0, start, size), loaded)
 
     def forward(self, x):
-        return linear(x, self.weight, self.bias, self.blocks)
+        return linear(x, self.weight, self.bias, self.blocks, self.fast)
 
 
 def _offsets(sizes):
@@ -188,3 +189,16 @@ def attach_blocks(model: nn.Module, blocks, remap=None) -> int:
         model.head_blocks = head
         count += 1
     return count
+
+
+def attach_bf16(model: nn.Module) -> int:
+    """--cpu-matmul bfloat16: each Linear, and the LM head, gets a bfloat16 copy of its weight for
+    the batches its GGUF blocks (if any) do not take. Returns how many weights got one."""
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, Linear):
+            mod.fast = mod.weight.data.to(torch.bfloat16)
+            n += 1
+    head = model.model.embed_tokens.weight if model.tied else model.lm_head.weight
+    model.head_fast = head.data.to(torch.bfloat16)
+    return n

@@ -9,7 +9,7 @@ from ops import cpu_decode
 from ops.attention import context
 from ops.linear import linear
 from ops.norm import RMSNorm
-from ops.quant import MAX_ROWS
+from ops.quant import max_rows
 from ops.rotary import RotaryEmbedding
 from xinfer.models.layers import Attention, Embedding, GatedMLP, Linear, load_weights
 from xinfer.models.registry import register
@@ -69,6 +69,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = Model(self, cfg)
         self.tied = bool(cfg.get("tie_word_embeddings", False))
         self.head_blocks = None  # the head's QuantWeight (layers.attach_blocks)
+        self.head_fast = None  # the head in bfloat16 (layers.attach_bf16)
         self._cpu_decoder = None  # built at the first decode step that can use it; False: none fits
         if not self.tied:
             self.lm_head = Linear(cfg["hidden_size"], [cfg["vocab_size"]])
@@ -103,7 +104,7 @@ class LlamaForCausalLM(nn.Module):
     # ---- the forward pass ----
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         meta, backend = context()
-        if (meta is not None and meta.max_seqlen_q == 1 and input_ids.shape[0] <= MAX_ROWS
+        if (meta is not None and meta.max_seqlen_q == 1 and input_ids.shape[0] <= max_rows(self.head_fast is not None)
                 and backend.name == "torch" and input_ids.device.type == "cpu"):
             dec = self.cpu_decoder()
             if dec is not None:
@@ -152,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        return linear(hidden, w, None, self.head_blocks).float()
+        return linear(hidden, w, None, self.head_blocks, self.head_fast).float()
 
     def head_param_name(self) -> str:
         return "model.embed_tokens.weight" if self.tied else "lm_head.weight"

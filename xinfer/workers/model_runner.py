@@ -9,14 +9,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ops import cpu_isa
 from ops.attention import AttnMetadata, get_backend, set_context
-from ops.quant import MAX_ROWS
+from ops.quant import max_rows
 from ops.sampling import SamplingBatch, sample
 from xinfer.config import EngineConfig
 from xinfer.ipc.step import StepPlan, StepResult, pack_ids, unpack_ids
 from xinfer.loader import ModelInfo
 from xinfer.loader.weights import build_model
-from xinfer.models.layers import attach_blocks
+from xinfer.models.layers import attach_bf16, attach_blocks
 from xinfer.sampling_params import SamplingParams
 
 log = logging.getLogger("xinfer.worker")
@@ -65,10 +66,15 @@ class ModelRunner:
         self.model = build_model(dataclasses.replace(info, config=cfg), self.dtype, self.device)
         if config.quantization == "gguf":
             n = attach_blocks(self.model, info.gguf.quantized_blocks(), self.model.remap)
-            log.info("GGUF blocks kept for %d weights (batches of up to %d rows read them)", n, MAX_ROWS)
+            log.info("GGUF blocks kept for %d weights (batches of up to %d rows read them)", n,
+                     max_rows(config.cpu_matmul == "bfloat16"))
         self.vocab_size = cfg["vocab_size"]
         self.eos_ids = info.eos_token_ids
         self.backend = get_backend(config.attention_backend, self.device)
+        if self.device.type == "cpu":
+            if config.cpu_matmul == "bfloat16":
+                attach_bf16(self.model)
+            log.info(cpu_isa.describe(config.cpu_matmul, config.quantization == "gguf"))
         self.block_size = config.block_size
         self.num_blocks = num_blocks or config.num_kv_blocks or num_kv_blocks(config, cfg, self.dtype,
                                                                                self.device)
@@ -195,6 +201,29 @@ class ModelRunner:
             vec = torch.nn.functional.normalize(vec, dim=0)
             out.append((sid, vec.cpu().numpy().astype("<f4").tobytes()))
         return out
+
+    @torch.inference_mode()
+    def log_probs(self, ids: list[int], chunk: int = 512) -> torch.Tensor:
+        """Teacher-forced next-token log-probabilities [len(ids), vocab] of one sequence, prefilled in
+        chunks as a server would (xinfer-bench fidelity, tests). Uses the cache from block 0: only on a
+        runner with no live sequences."""
+        bs, n, dev = self.block_size, len(ids), self.device
+        nb = -(-n // bs)
+        if self.seqs or nb > self.num_blocks:
+            raise ValueError(f"log_probs needs an idle runner with {nb} free KV blocks")
+        table = torch.arange(nb, dtype=torch.int32, device=dev)[None]
+        out = []
+        for start in range(0, n, chunk):
+            end = min(n, start + chunk)
+            pos = torch.arange(start, end, device=dev)
+            set_context(AttnMetadata(
+                cu_seqlens_q=torch.tensor([0, end - start], dtype=torch.int32, device=dev),
+                seq_lens=torch.tensor([end], dtype=torch.int32, device=dev), block_tables=table,
+                slot_mapping=pos, query_lens=[end - start], kv_lens=[end], block_size=bs), self.backend)
+            hidden = self.model(torch.tensor(ids[start:end], dtype=torch.long, device=dev), pos)
+            set_context(None)
+            out += [torch.log_softmax(self.model.compute_logits(h).float(), dim=-1) for h in hidden.split(128)]
+        return torch.cat(out)
 
     def _prompt_logprobs(self, hidden, scored):
         """Logprobs of prompt tokens under the model's raw distribution (for echo / scoring):

@@ -1,0 +1,75 @@
+"""Which x86 vector units this CPU has, read once, and the matmul path each level gets.
+
+Levels, lowest first: avx2 (AVX2 + FMA), avx512 (F/BW/VL), avx512_vnni, avx512_bf16, amx (AMX-BF16
+and AMX-INT8 tiles). XINFER_CPU_ISA forces a lower level, so every path can be tested on a CPU that
+has more; a level the CPU lacks is never taken (logged). What each level serves:
+
+- decode, up to XINFER_QUANT_MAX_ROWS rows with GGUF blocks: the block kernels (ops/cpu_kernels.c,
+  built for the level's -march), which read a fraction of the weight bytes;
+- batched decode and prefill (more rows, or no blocks): bfloat16 GEMMs through oneDNN where the CPU
+  has BF16 dot products (avx512_bf16; amx: oneDNN picks the tiles itself), else float32 GEMMs.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import platform
+
+from xinfer import envs
+
+log = logging.getLogger("xinfer.cpu")
+
+LEVELS = ("none", "avx2", "avx512", "avx512_vnni", "avx512_bf16", "amx")
+_NEEDS = {"avx2": {"avx2", "fma"}, "avx512": {"avx512f", "avx512bw", "avx512vl"}, "avx512_vnni": {"avx512_vnni"},
+          "avx512_bf16": {"avx512_bf16"}, "amx": {"amx_bf16", "amx_int8", "amx_tile"}}
+MARCH = {"avx2": "haswell", "avx512": "skylake-avx512", "avx512_vnni": "cascadelake", "avx512_bf16": "cooperlake",
+         "amx": "sapphirerapids"}  # -march for the block kernels when the level is forced
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def level_of(flags: set[str]) -> str:
+    """The highest level whose flags (and every lower level's) are all present."""
+    best = "none"
+    for name in LEVELS[1:]:
+        if not _NEEDS[name] <= flags:
+            break
+        best = name
+    return best
+
+
+@functools.lru_cache(maxsize=None)
+def level() -> str:
+    """This CPU's level, or the lower one XINFER_CPU_ISA asks for."""
+    found = level_of(cpu_flags()) if platform.machine() in ("x86_64", "AMD64") else "none"
+    want = envs.cpu_isa()
+    if want is None:
+        return found
+    if want not in LEVELS:
+        raise ValueError(f"XINFER_CPU_ISA={want!r}: one of {', '.join(LEVELS)}")
+    if LEVELS.index(want) > LEVELS.index(found):
+        log.warning("XINFER_CPU_ISA=%s: this CPU has only %s; using %s", want, found, found)
+        return found
+    return want
+
+
+def has_bf16() -> bool:
+    return LEVELS.index(level()) >= LEVELS.index("avx512_bf16")
+
+
+def describe(matmul: str, blocks: bool) -> str:
+    """The one start-up line: the level and the path that serves each kind of step."""
+    big = "bfloat16 GEMMs (oneDNN" + (", AMX tiles)" if level() == "amx" else ")") if matmul == "bfloat16" \
+        else "float32 GEMMs (oneDNN)"
+    from ops.quant import max_rows
+    small = f"GGUF block kernels up to {max_rows(matmul == 'bfloat16')} rows, then " if blocks else ""
+    return f"cpu {level()}: decode {small}{big}; batched decode and prefill: {big}"

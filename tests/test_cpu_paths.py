@@ -1,0 +1,125 @@
+"""The CPU paths (issue 12): the vector-unit level and XINFER_CPU_ISA, the default each level
+gets, and the bfloat16 path's next-token distributions against the float32 path's on the bundled
+model, by llama.cpp's measures (mean KL divergence, same top token, perplexity). The bfloat16
+path runs on any CPU (slowly without BF16 units), so its numerics are checked everywhere; its
+speed is only claimed where the CPU has the units."""
+import importlib
+
+import pytest
+import torch
+
+from bench.cmd_fidelity import TEXT, compare
+from ops import cpu_isa
+from xinfer import Engine, EngineConfig, SamplingParams
+
+AVX512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}
+
+
+@pytest.fixture
+def isa(monkeypatch):
+    """Set XINFER_CPU_ISA (None: unset) and re-read the level."""
+    def use(value):
+        if value is None:
+            monkeypatch.delenv("XINFER_CPU_ISA", raising=False)
+        else:
+            monkeypatch.setenv("XINFER_CPU_ISA", value)
+        cpu_isa.level.cache_clear()
+        return cpu_isa.level()
+    yield use
+    cpu_isa.level.cache_clear()
+
+
+def test_levels_from_flags():
+    assert cpu_isa.level_of(set()) == "none"
+    assert cpu_isa.level_of({"avx2", "fma"}) == "avx2"
+    assert cpu_isa.level_of(AVX512) == "avx512"
+    assert cpu_isa.level_of(AVX512 | {"avx512_vnni"}) == "avx512_vnni"
+    assert cpu_isa.level_of(AVX512 | {"avx512_bf16"}) == "avx512"  # BF16 without VNNI: not the next level
+    assert cpu_isa.level_of(AVX512 | {"avx512_vnni", "avx512_bf16"}) == "avx512_bf16"
+    assert cpu_isa.level_of(AVX512 | {"avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile"}) == "amx"
+
+
+def test_xinfer_cpu_isa_forces_a_lower_level_only(isa):
+    found = isa(None)
+    assert found == cpu_isa.level_of(cpu_isa.cpu_flags()) or found == "none"
+    if found != "none":
+        assert isa("avx2") == "avx2" and not cpu_isa.has_bf16()
+    assert isa("amx") == found  # more than the CPU has: what it has (logged)
+    with pytest.raises(ValueError, match="XINFER_CPU_ISA"):
+        isa("sse9")
+
+
+def test_defaults_are_the_fast_path_for_the_cpu_found(isa):
+    def resolved(**kw):
+        return EngineConfig(device="cpu", **kw).resolve({}).cpu_matmul
+    isa(None)
+    assert resolved() == ("bfloat16" if cpu_isa.has_bf16() else "float32")
+    assert resolved(dtype="float32") == "float32"  # asked for float32: exact
+    assert resolved(cpu_matmul="bfloat16") == "bfloat16"
+    if cpu_isa.level() != "none":
+        isa("avx512" if cpu_isa.LEVELS.index(cpu_isa.level()) >= 2 else "avx2")
+        assert resolved() == "float32"  # no BF16 units: float32 GEMMs
+    with pytest.raises(ValueError, match="cpu-matmul"):
+        EngineConfig(cpu_matmul="int4")
+
+
+@pytest.fixture(scope="module")
+def text_ids():
+    from xinfer.loader import load_model_info
+    return load_model_info(None).tokenizer.encode(TEXT.read_text())[:640]
+
+
+def _log_probs(ids, **kw):
+    e = Engine(EngineConfig(kv_cache_gb=0.1, prefill_chunk_size=256, **kw), log_level="warning")
+    try:
+        return e.runner.log_probs(ids, 256), e
+    finally:
+        e.close()
+
+
+def test_log_probs_are_the_engines_prompt_logprobs(text_ids):
+    """The fidelity tool's teacher-forced scores are the ones a request gets (float32, exact path)."""
+    lp, _ = _log_probs(text_ids[:300], dtype="float32", cpu_matmul="float32")
+    e = Engine(EngineConfig(kv_cache_gb=0.1, dtype="float32", cpu_matmul="float32"), log_level="warning")
+    out = e.generate([text_ids[:300]], SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
+    e.close()
+    got = torch.tensor([p[0] for p in out.prompt_logprobs[1:]])
+    want = lp[:-1].gather(1, torch.tensor(text_ids[1:300])[:, None])[:, 0]
+    assert torch.allclose(got, want, atol=1e-4)
+
+
+def test_bfloat16_path_within_the_budget(text_ids):
+    """The default path on a BF16 CPU (GGUF blocks for small batches, bfloat16 GEMMs for the rest):
+    mean KLD <= 0.002, same top token >= 98% (97% over this shorter text), perplexity within 1%."""
+    ref, _ = _log_probs(text_ids, dtype="float32", quantization="none", cpu_matmul="float32")
+    fast, e = _log_probs(text_ids, cpu_matmul="bfloat16")
+    assert e.config.cpu_matmul == "bfloat16"
+    r = compare(ref, fast, text_ids)
+    assert r["mean_kld"] <= 0.002, r
+    assert r["same_top"] >= 0.97, r
+    assert abs(r["ppl_ratio"] - 1) <= 0.01, r
+    same, _ = _log_probs(text_ids, dtype="float32", cpu_matmul="float32")  # blocks alone: exact weights
+    assert compare(ref, same, text_ids)["mean_kld"] < 1e-6
+
+
+def test_bfloat16_greedy_decode_matches_small_batches():
+    """Decode batches up to XINFER_QUANT_MAX_ROWS rows read the GGUF blocks on either setting, so a
+    lone greedy request's tokens after a short prompt are the same."""
+    prompt = "The capital of France is"
+    outs = []
+    for cm in ("float32", "bfloat16"):
+        e = Engine(EngineConfig(kv_cache_gb=0.1, cpu_matmul=cm), log_level="warning")
+        outs.append(e.generate([e.tokenizer.encode(prompt)], SamplingParams(max_tokens=12, temperature=0))[0].token_ids)
+        e.close()
+    assert outs[0] == outs[1]
+
+
+def test_bench_fidelity_command(tmp_path, capsys):
+    cli = importlib.import_module("bench.cli")
+    out = tmp_path / "f.json"
+    assert cli.main(["fidelity", "--tokens", "200", "--b", "cpu_matmul=bfloat16", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "mean KLD" in printed and "same top token" in printed and "perplexity" in printed
+    import json
+    r = json.loads(out.read_text())
+    assert r["positions"] == 199 and r["b"]["cpu_matmul"] == "bfloat16" and r["cpu"] in cpu_isa.LEVELS
