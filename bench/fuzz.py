@@ -3,13 +3,15 @@
 Bodies come from two sources: the route's request schema (hypothesis-jsonschema: well-formed
 requests with every combination of fields and edge values) and arbitrary JSON (anything a client
 could send). Every answer must be a non-5xx status within the time limit on a connection that
-stayed up, a stream must end with `data: [DONE]`; after the run a plain request must still work
+stayed up, a stream must end with its last event (`data: [DONE]`; Anthropic's `message_stop`, the
+Responses API's `response.completed` / `response.incomplete`, or an `error` event); after the run a plain request must still work
 and /metrics still parse. tests/test_fuzz.py runs it briefly; `xinfer-bench fuzz` runs it long.
 """
 from __future__ import annotations
 
 import http.client
 import json
+import re
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -80,9 +82,8 @@ def fuzz(base: str, examples: int = 50, timeout: float = 10.0, seed: int = 0) ->
         report.statuses[status] = report.statuses.get(status, 0) + 1
         if status >= 500:
             report.failures.append(f"{path} {raw[:300]!r}: {status} {reply[:300]!r}")
-        elif status == 200 and isinstance(body, dict) and body.get("stream") is True \
-                and not reply.rstrip().endswith(b"data: [DONE]"):
-            report.failures.append(f"{path} {raw[:300]!r}: a stream that did not end with [DONE]")
+        elif status == 200 and isinstance(body, dict) and body.get("stream") is True and not _ended(path, reply):
+            report.failures.append(f"{path} {raw[:300]!r}: a stream that did not end with its last event")
 
     for path, schema in routes:
         for source in (from_schema(schema), JSON):
@@ -95,4 +96,17 @@ def fuzz(base: str, examples: int = 50, timeout: float = 10.0, seed: int = 0) ->
 
             run()
     return report
+
+
+# Streams with named events end with one of these; the others with "data: [DONE]".
+_LAST_EVENTS = {"/v1/messages": (b"message_stop", b"error"),
+                "/v1/responses": (b"response.completed", b"response.incomplete", b"error")}
+
+
+def _ended(path: str, reply: bytes) -> bool:
+    last = _LAST_EVENTS.get(path)
+    if last is None:
+        return reply.rstrip().endswith(b"data: [DONE]")
+    names = re.findall(rb"^event: (\S+)", reply, re.M)
+    return bool(names) and names[-1] in last
 

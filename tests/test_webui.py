@@ -214,12 +214,16 @@ def origins():
 
         def log_message(self, *a):
             pass
-    servers = [socketserver.TCPServer(("127.0.0.1", 0), Blank) for _ in range(2)]
+    class Server(socketserver.ThreadingMixIn, socketserver.TCPServer):
+        daemon_threads = True  # a connection the browser keeps open never holds up the shutdown
+
+    servers = [Server(("127.0.0.1", 0), Blank) for _ in range(2)]
     for srv in servers:
         threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield [f"http://127.0.0.1:{srv.server_address[1]}" for srv in servers]
     for srv in servers:
         srv.shutdown()
+        srv.server_close()
 
 
 def test_cors_preflight_in_the_browser(chat_model, origins, browser):
