@@ -90,10 +90,12 @@ def test_embeddings_through_the_openai_sdk(srv):
     assert vecs.shape == (3, 32) and np.allclose(np.linalg.norm(vecs, axis=1), 1, atol=1e-5)
     assert r.usage.prompt_tokens == r.usage.total_tokens == sum(len(t) for t in texts)  # one token a character
     floats = c.embeddings.create(model="m", input=texts, encoding_format="float")
-    assert np.array([d.embedding for d in floats.data]).tolist() == vecs.tolist()
+    # (a batch may be split over steps differently each time: float32 GEMMs of other row counts
+    # round the last bits differently, so equal within 1e-6, not to the bit)
+    assert np.abs(np.array([d.embedding for d in floats.data]) - vecs).max() < 1e-6
     b64 = c.embeddings.create(model="m", input=texts[1], encoding_format="base64")
     assert isinstance(b64.data[0].embedding, str)
-    assert np.frombuffer(base64.b64decode(b64.data[0].embedding), dtype="<f4").tolist() == vecs[1].tolist()
+    assert np.abs(np.frombuffer(base64.b64decode(b64.data[0].embedding), dtype="<f4") - vecs[1]).max() < 1e-6
     # batch order: each input alone gives the same vector at its index
     for i, t in enumerate(texts):
         assert np.abs(np.array(c.embeddings.create(model="m", input=t).data[0].embedding) - vecs[i]).max() < 1e-6
