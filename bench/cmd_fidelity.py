@@ -28,7 +28,7 @@ def setting(spec: str) -> dict:
 
 
 def log_probs(model: str | None, fields: dict, ids: list[int] | None, tokens: int, text: str):
-    """(token ids, log-probs [T, V]) of the text under one setting, and the resolved setting."""
+    """(token ids, log-probs [T, V], the resolved setting, seconds) of the text under one setting."""
     from xinfer import Engine, EngineConfig
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(model=model, kv_cache_gb=1.0, **fields), log_level="warning")

@@ -13,7 +13,7 @@ _SPELLINGS = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choic
               ("guided_grammar", "grammar"), ("json_schema", "json"), ("grammar", "grammar"))
 
 
-def _make(kind: str, value, field: str) -> StructuredOutput:
+def _make(kind: str, value) -> StructuredOutput:
     if kind == "json":
         if isinstance(value, str):
             return StructuredOutput("json", value)
@@ -47,13 +47,13 @@ def requested(body) -> StructuredOutput | None:
         for kind in ("json", "regex", "choice", "grammar", "structural_tag"):
             value = getattr(so, kind)
             if value is not None:
-                given.append((f"structured_outputs.{kind}", _make(kind, value, kind)))
+                given.append((f"structured_outputs.{kind}", _make(kind, value)))
         if so.json_object:
             given.append(("structured_outputs.json_object", StructuredOutput("json", '{"type": "object"}')))
     for field, kind in _SPELLINGS:
         value = getattr(body, field)
         if value is not None:
-            given.append((field, _make(kind, value, field)))
+            given.append((field, _make(kind, value)))
     if len(given) > 1:
         raise ApiError(f"ask for one structured output, not {len(given)} ({', '.join(n for n, _ in given)})",
                        param=given[1][0])
