@@ -20,6 +20,9 @@ import torch
 import torch.nn.functional as F
 
 
+FLAT_MAX = 16  # see AttnMetadata.is_short
+
+
 @dataclass
 class AttnMetadata:
     cu_seqlens_q: torch.Tensor  # int32 [B+1]
@@ -40,6 +43,27 @@ class AttnMetadata:
     @property
     def max_seqlen_q(self) -> int:
         return max(self.query_lens, default=0)
+
+    def is_short(self, i: int) -> bool:
+        """A query that runs as one decode per row: one token, or a few after some context (a
+        sequence verifying speculative drafts, a small chunk), each row over the KV up to itself."""
+        n = self.query_lens[i]
+        return n == 1 or (n <= FLAT_MAX and self.kv_lens[i] > n)
+
+    def row_decode(self):
+        """When every query is short: (block table, KV length) per query row, or None."""
+        if "rows" not in self.cache:
+            if self.max_seqlen_q == 1:
+                self.cache["rows"] = (self.block_tables, self.seq_lens)
+            elif all(self.is_short(i) for i in range(len(self.query_lens))):
+                seq = torch.tensor([i for i, n in enumerate(self.query_lens) for _ in range(n)],
+                                   device=self.block_tables.device)
+                lens = [kl - n + j + 1 for n, kl in zip(self.query_lens, self.kv_lens) for j in range(n)]
+                self.cache["rows"] = (self.block_tables[seq].contiguous(),
+                                      torch.tensor(lens, dtype=torch.int32, device=seq.device))
+            else:
+                self.cache["rows"] = None
+        return self.cache["rows"]
 
 
 class AttentionBackend(abc.ABC):
@@ -76,18 +100,21 @@ class TorchBackend(AttentionBackend):
         if plan is not None:
             return plan
         bs = meta.block_size
-        dec = [i for i, n in enumerate(meta.query_lens) if n == 1]
-        pre = [i for i, n in enumerate(meta.query_lens) if n > 1]
+        short = [i for i in range(len(meta.query_lens)) if meta.is_short(i)]
+        pre = sorted(set(range(len(meta.query_lens))) - set(short))
         plan = {"prefill": pre, "decode": None, "decode_c": None}
+        dec = [i for i in short for _ in range(meta.query_lens[i])]
         if dec:
             dec_t = torch.tensor(dec, device=device)
-            rows = torch.tensor([meta.query_starts[i] for i in dec], device=device)
+            rows_l = [meta.query_starts[i] + j for i in short for j in range(meta.query_lens[i])]
+            rows = torch.tensor(rows_l, device=device)
+            lens_l = [meta.kv_lens[i] - meta.query_lens[i] + j + 1 for i in short for j in range(meta.query_lens[i])]
+            lens_t = torch.tensor(lens_l, dtype=torch.int32, device=device)
         if dec and self._c is not None and device.type == "cpu" and dtype == torch.float32:
-            plan["decode_c"] = (rows, len(dec) == len(meta.query_lens), meta.block_tables[dec_t].contiguous(),
-                                meta.seq_lens[dec_t].contiguous())
+            plan["decode_c"] = (rows, not pre, meta.block_tables[dec_t].contiguous(), lens_t)
         elif dec:
-            lens = meta.seq_lens[dec_t].long()
-            max_len = max(meta.kv_lens[i] for i in dec)
+            lens = lens_t.long()
+            max_len = max(lens_l)
             nblk = -(-max_len // bs)
             tables = meta.block_tables[dec_t, :nblk].long()
             offs = torch.arange(nblk * bs, device=device)

@@ -64,10 +64,11 @@ class CpuDecoder:
                              _ptr(final_norm), arr)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        """x [B, H] embedded tokens, one a sequence; returns the final norm's output [B, H]."""
+        """x [B, H] embedded tokens (each row a decode: AttnMetadata.row_decode); returns the final
+        norm's output [B, H]."""
         x, positions = x.contiguous(), positions.to(torch.int64).contiguous()  # C reads int64 positions
         out = torch.empty_like(x)
-        tables, lens = meta.block_tables, meta.seq_lens
+        tables, lens = meta.row_decode()
         lib().xinfer_decode(ctypes.byref(self._model), x.data_ptr(), out.data_ptr(), x.shape[0], positions.data_ptr(),
                             meta.slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr())
         return out

@@ -80,37 +80,66 @@ def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return logits
 
 
+def processed(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """The logits after every processor that changes them (on a copy: logprobs read the raw ones)."""
+    if (b.grammar is not None or b.bias is not None or b.banned is not None or b.allowed is not None
+            or b.repetition_penalty is not None
+            or b.presence_penalty is not None or b.frequency_penalty is not None):
+        return apply_penalties(logits.clone(), b)
+    return logits
+
+
+def uniforms(rows: int, width: int, seeds: list[tuple[int, int]], device) -> torch.Tensor:
+    """U(0, 1) [rows, width]; a seeded row draws from its own generator, seeded by its per-step seed."""
+    u = torch.empty(rows, width, device=device).uniform_()
+    for row, seed in seeds:
+        g = torch.Generator(device=device)
+        g.manual_seed(seed & _MASK64)
+        u[row].uniform_(generator=g)
+    return u
+
+
+def race(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """A draw from each row of `probs` (any scale): argmax(p / E) with E = -log(U) ~ Exp(1).
+    torch's exponential_ is ~6x slower on the CPU (1 ms for a 49k vocabulary); U < 1, so E > 0."""
+    return (probs / u.log().neg_()).argmax(dim=-1)
+
+
+def distribution(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """The normalised distribution each row samples from (processed logits in): temperature, top-k,
+    top-p, min-p; a greedy row is one-hot on its argmax."""
+    temp = b.temperature.clamp(min=1e-5)[:, None]
+    probs = _filter(torch.softmax(logits / temp, dim=-1), b)
+    greedy = b.temperature == 0
+    if bool(greedy.any()):
+        probs[greedy] = torch.nn.functional.one_hot(logits[greedy].argmax(-1), logits.shape[-1]).to(probs.dtype)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def logprobs_of(raw: torch.Tensor, tokens: torch.Tensor, k: int):
+    """(chosen [B], top ids [B, k] or None, top values or None) under the raw distribution."""
+    lp = torch.log_softmax(raw, dim=-1)
+    chosen = lp.gather(1, tokens[:, None])[:, 0]
+    top = lp.topk(k, dim=-1) if k > 0 else None
+    return chosen, top.indices if top is not None else None, top.values if top is not None else None
+
+
 def sample(logits: torch.Tensor, b: SamplingBatch):
     """logits [B, V] float32 -> (token ids [B], logprobs or None).
     logprobs are from the model's raw distribution: (chosen [B], top ids [B, k], top values [B, k])."""
     raw = logits
-    if (b.grammar is not None or b.bias is not None or b.banned is not None or b.allowed is not None
-            or b.repetition_penalty is not None
-            or b.presence_penalty is not None or b.frequency_penalty is not None):
-        logits = apply_penalties(logits.clone(), b)  # in place on a copy: logprobs read `raw`
+    logits = processed(logits, b)
     greedy_tokens = logits.argmax(dim=-1)
     if b.all_greedy:
         tokens = greedy_tokens
     else:
         temp = b.temperature.clamp(min=1e-5)[:, None]
-        probs = torch.softmax(logits / temp, dim=-1)
-        probs = _filter(probs, b)
-        # Exponential noise as -log(U): torch's exponential_ is ~6x slower on the CPU (1 ms for a
-        # 49k vocabulary). U < 1, so the noise is never 0.
-        noise = torch.empty_like(probs).uniform_()
-        for row, seed in b.seeds:
-            g = torch.Generator(device=probs.device)
-            g.manual_seed(seed & _MASK64)
-            noise[row].uniform_(generator=g)
-        noise.log_().neg_()
-        sampled = (probs / noise).argmax(dim=-1)
+        probs = _filter(torch.softmax(logits / temp, dim=-1), b)
+        sampled = race(probs, uniforms(*probs.shape, b.seeds, probs.device))
         tokens = torch.where(b.temperature == 0, greedy_tokens, sampled)
     if b.num_logprobs is None:
         return tokens, None
-    lp = torch.log_softmax(raw, dim=-1)
-    chosen = lp.gather(1, tokens[:, None])[:, 0]
-    top = lp.topk(b.num_logprobs, dim=-1) if b.num_logprobs > 0 else None
-    return tokens, (chosen, top.indices if top is not None else None, top.values if top is not None else None)
+    return tokens, logprobs_of(raw, tokens, b.num_logprobs)
 
 
 def _filter(probs: torch.Tensor, b: SamplingBatch) -> torch.Tensor:

@@ -44,6 +44,16 @@ class EngineConfig:
     # /v1/embeddings: one vector per input from the final hidden states (after the last norm):
     # "last": the last prompt token's; "mean": the mean over every prompt token. L2-normalised.
     pooling: str = "last"
+    # Speculative decoding (xinfer/spec.py): up to this many draft tokens a step, verified in one forward;
+    # 0: off. method None: "draft" with a draft model, else "ngram" (prompt lookup).
+    num_speculative_tokens: int = 0
+    speculative_method: str | None = None
+    draft_model: str | None = None  # HF folder or GGUF with the target's tokenizer
+    ngram_min: int = 2  # n-gram drafts: the shortest suffix looked up in the sequence
+    ngram_max: int = 5
+    # No drafts in a step whose running batch is larger than this: verification rows cost compute
+    # that a large batch already uses (0: no limit)
+    speculative_disable_by_batch_size: int = 4
 
     def read_chat_template(self) -> str | None:
         """--chat-template's text; a file that cannot be read is a start-up error naming it."""
@@ -77,6 +87,16 @@ class EngineConfig:
             raise ValueError(f"--cpu-matmul must be auto, float32 or bfloat16, got {self.cpu_matmul!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"--load-format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.num_speculative_tokens == 0 and (self.draft_model or self.speculative_method):
+            self.num_speculative_tokens = 4  # a draft model or method named alone turns speculation on
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"--num-speculative-tokens must be >= 0, got {self.num_speculative_tokens}")
+        if self.speculative_method not in (None, "ngram", "draft", "mtp"):
+            raise ValueError(f"--speculative-method must be ngram, draft or mtp, got {self.speculative_method!r}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"--ngram-min / --ngram-max need 1 <= min <= max, got {self.ngram_min} / {self.ngram_max}")
+        if self.speculative_disable_by_batch_size < 0:
+            raise ValueError(f"--speculative-disable-by-batch-size must be >= 0, got {self.speculative_disable_by_batch_size}")
         self.read_chat_template()  # an unreadable file stops the start here, not in a child process
 
     def resolve(self, model_config: dict) -> "EngineConfig":

@@ -7,6 +7,7 @@ from typing import Iterator
 
 import numpy as np
 
+from xinfer import spec
 from xinfer.config import EngineConfig
 from xinfer.detokenizer import IncrementalDetokenizer
 from xinfer.engine_core import Delta, EngineCore
@@ -48,6 +49,7 @@ class Engine:
         self.info = info = load_model_info(config.model, config.load_format, config.read_chat_template())
         config.resolve(info.config)
         config.resolve_quantization(info.kind == "gguf" and info.gguf.quantized)
+        spec.check(config, info)
         self.tokenizer = info.tokenizer
         self.vocab_size = info.config["vocab_size"]
         if worker == "process":

@@ -17,6 +17,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from xinfer import spec
 from xinfer.config import EngineConfig
 from xinfer.ipc.api import Stats
 from xinfer.kv_cache import BlockManager
@@ -58,7 +59,9 @@ class EngineCore:
         self.max_model_len = min(config.max_model_len, cap)
         self.blocks = BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_cache,
                                    config.prefix_cache_max_tokens)
-        self.scheduler = Scheduler(config, self.blocks, self.max_model_len, info.eos_token_ids)
+        self.scheduler = Scheduler(config, self.blocks, self.max_model_len, info.eos_token_ids,
+                                   spec.method(config, info.config))
+        self._spec_logged = (time.monotonic(), 0, 0, 0)  # when, and the counters then
         self.restart_budget = RestartBudget(config.max_restarts, config.restart_window)
         self._ids = itertools.count()
         self._zero: list[Sequence] = []  # max_tokens=0 requests: finished without running
@@ -184,10 +187,10 @@ class EngineCore:
         if result.error is not None:  # the worker lives on; its batch is gone: recompute everything
             self.scheduler.reset_worker_state()
             return out + self._strike(plan, f"the model step failed ({result.error})")
-        for seq, tok in self.scheduler.update(result):
-            if seq.grammar is not None:
-                self._advance_grammar(seq, tok)
-            toks = [] if tok is None else [tok]
+        for seq, toks in self.scheduler.update(result):
+            if seq.grammar is not None:  # a constrained sequence never speculates: one token
+                self._advance_grammar(seq, toks[0] if toks else None)
+            toks = toks or []
             self.num_generation_tokens += len(toks)
             if len(seq.output_ids) <= 1 and (toks or seq.finish_reason):
                 self.num_prompt_tokens += len(seq.prompt_ids)
@@ -195,7 +198,21 @@ class EngineCore:
             if seq.finish_reason:
                 self._remember(seq)
             out.append(self.delta(seq, toks))
+        if self.scheduler.spec_method is not None:
+            self._log_spec()
         return out
+
+    def _log_spec(self, every: float = 10.0) -> None:
+        s, (t, steps, drafts, accepted) = self.scheduler, self._spec_logged
+        now = time.monotonic()
+        if now - t < every or s.num_spec_steps == steps:
+            return
+        n = s.num_spec_steps - steps
+        log.info("spec: accepted %.1f/%.1f per step (%d%% of %d drafts)", (s.num_accepted_tokens - accepted) / n,
+                 (s.num_draft_tokens - drafts) / n,
+                 100 * (s.num_accepted_tokens - accepted) // max(1, s.num_draft_tokens - drafts),
+                 s.num_draft_tokens - drafts)
+        self._spec_logged = (now, s.num_spec_steps, s.num_draft_tokens, s.num_accepted_tokens)
 
     def delta(self, seq: Sequence, toks: list[int]) -> Delta:
         """What `seq` adds with its new tokens `toks` (its whole output so far, for a resend)."""
@@ -279,7 +296,8 @@ class EngineCore:
         s = self.scheduler
         return Stats(len(s.running), len(s.waiting), self.blocks.usage(), self.num_prompt_tokens,
                      self.num_generation_tokens, self.num_cached_prompt_tokens, s.num_preemptions,
-                     self.runner.restarts, [(c, n, t) for c, (n, t) in self.restart_budget.seconds.items()])
+                     self.runner.restarts, [(c, n, t) for c, (n, t) in self.restart_budget.seconds.items()],
+                     s.num_draft_tokens, s.num_accepted_tokens)
 
     def close(self) -> None:
         self.grammars.close()

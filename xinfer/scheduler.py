@@ -12,6 +12,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from xinfer import spec
 from xinfer.config import EngineConfig
 from xinfer.ipc.step import NewSeq, Scheduled, StepPlan, StepResult, pack_ids, unpack_ids
 from xinfer.kv_cache import BlockManager, block_hash
@@ -60,8 +61,11 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, blocks: BlockManager, max_model_len: int, eos_ids: list[int]):
+    def __init__(self, config: EngineConfig, blocks: BlockManager, max_model_len: int, eos_ids: list[int],
+                 spec_method: str | None = None):
         self.config = config
+        self.spec_method = spec_method  # speculative decoding: "ngram", "draft", or None (off)
+        self.num_draft_tokens = self.num_accepted_tokens = self.num_spec_steps = 0
         self.bm = blocks
         self.max_model_len = max_model_len
         self.eos_ids = set(eos_ids)
@@ -98,7 +102,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         budget = self.config.max_num_batched_tokens
         chunk = self.config.prefill_chunk_size
-        scheduled: list[tuple[Sequence, int, list[int]]] = []
+        scheduled: list[tuple[Sequence, int, list[int], int, bytes]] = []  # seq, tokens, blocks, drafts
         new_seqs: list[NewSeq] = []
         self.suspects = [s for s in self.suspects if s in self.running or s in self.waiting]
         alone = self.suspects[0] if self.suspects else None
@@ -106,6 +110,8 @@ class Scheduler:
             self.waiting.remove(alone)
             self.waiting.appendleft(alone)
 
+        limit = self.config.speculative_disable_by_batch_size
+        speculate = self.spec_method is not None and (not limit or len(self.running) <= limit)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -113,6 +119,16 @@ class Scheduler:
                 i += 1
                 continue
             n = min(seq.num_tokens - seq.num_computed, chunk, budget)
+            drafts = self._drafts(seq, budget) if speculate else None
+            if drafts is not None:
+                k = len(drafts) if self.spec_method == "ngram" else self.config.num_speculative_tokens
+                k = min(k, seq.max_tokens - len(seq.output_ids) - 1, self.max_model_len - seq.num_tokens - 1, budget - 1)
+                new_blocks = self._grow(seq, 1 + k) if k > 0 else None
+                if new_blocks is not None:
+                    scheduled.append((seq, 1, new_blocks, k, pack_ids(drafts[:k]) if drafts else b""))
+                    budget -= 1 + k
+                    i += 1
+                    continue
             new_blocks = self._grow(seq, n)
             while new_blocks is None:  # out of blocks: preempt from the back until this one fits
                 victim = self.running[-1]
@@ -122,7 +138,7 @@ class Scheduler:
                 new_blocks = self._grow(seq, n)
             if new_blocks is None:
                 break
-            scheduled.append((seq, n, new_blocks))
+            scheduled.append((seq, n, new_blocks, 0, b""))
             budget -= n
             i += 1
 
@@ -152,14 +168,26 @@ class Scheduler:
                 new_seqs.append(NewSeq(seq.seq_id, pack_ids(seq.tokens), len(seq.prompt_ids), seq.num_computed,
                                        list(seq.block_ids), seq.params, seq.seed))
                 new_blocks = []
-            scheduled.append((seq, n, new_blocks))
+            scheduled.append((seq, n, new_blocks, 0, b""))
             budget -= n
 
         self._step += 1
-        plan = StepPlan(self._step, new_seqs, [Scheduled(s.seq_id, n, b) for s, n, b in scheduled], self._dropped)
+        plan = StepPlan(self._step, new_seqs, [Scheduled(s.seq_id, n, b, k, d) for s, n, b, k, d in scheduled],
+                        self._dropped)
         self._dropped = []
         self._inflight = scheduled
         return plan
+
+    def _drafts(self, seq: Sequence, budget: int) -> list[int] | None:
+        """A decoding sequence's n-gram drafts ([] for the draft model's: the worker proposes them);
+        None when it does not speculate this step."""
+        if (seq.num_tokens - seq.num_computed != 1 or budget < 2 or seq.grammar is not None
+                or seq.params.embed or seq.max_tokens - len(seq.output_ids) < 2):
+            return None
+        if self.spec_method != "ngram":
+            return []
+        c = self.config
+        return spec.ngram_propose(seq.tokens, c.num_speculative_tokens, c.ngram_min, c.ngram_max) or None
 
     def _grow(self, seq: Sequence, n: int) -> list[int] | None:
         """Blocks so that `n` more tokens fit; None when the cache can't give them."""
@@ -223,11 +251,25 @@ class Scheduler:
         self.bm.forget_cached()
 
     # ---- results ----
-    def update(self, result: StepResult) -> list[tuple[Sequence, int]]:
-        """Apply a step's sampled tokens; returns (sequence, new token) pairs in batch order."""
-        for seq, n, _ in self._inflight:
+    def update(self, result: StepResult) -> list[tuple[Sequence, list[int] | None]]:
+        """Apply a step's sampled tokens; returns (sequence, its new tokens) pairs in batch order
+        (None: a prompt-only sequence that is done)."""
+        counts = result.counts or [1] * len(result.seq_ids)
+        flat, new, at = unpack_ids(result.token_ids), {}, 0
+        for sid, c in zip(result.seq_ids, counts):
+            new[sid], at = (at, flat[at:at + c]), at + c
+        for seq, n, _, k, _ in self._inflight:
             if seq.status == RUNNING:
                 seq.num_computed += n
+                if k:  # the accepted drafts' KV is kept; blocks past the last valid token go back
+                    accepted = len(new[seq.seq_id][1]) - 1 if seq.seq_id in new else 0
+                    seq.num_computed += accepted
+                    self.num_draft_tokens += k
+                    self.num_accepted_tokens += accepted
+                    self.num_spec_steps += 1
+                    keep = spec.blocks_needed(seq.num_computed, self.bm.block_size)
+                    self.bm.release(seq.block_ids[keep:])
+                    del seq.block_ids[keep:]
                 self._register_full_blocks(seq)
         self._inflight = []
         for sid, first, entries in result.prompt_logprobs:
@@ -240,8 +282,7 @@ class Scheduler:
                 seq.embedding = vec
         now = time.time()
         out = []
-        lps = result.logprobs or [None] * len(result.seq_ids)
-        for sid, tok, lp in zip(result.seq_ids, unpack_ids(result.token_ids), lps):
+        for sid, (at, toks) in new.items():
             seq = self.seqs.get(sid)
             if seq is None or seq.status != RUNNING:
                 continue  # aborted while the step ran
@@ -249,18 +290,22 @@ class Scheduler:
                 self._finish(seq, "length")
                 out.append((seq, None))
                 continue
-            seq.output_ids.append(tok)
-            if lp is not None:
-                seq.logprobs.append(lp)
             if seq.first_token_time is None:
                 seq.first_token_time = now
                 self._release_children(seq)
+            kept = []
+            for j, tok in enumerate(toks):
+                kept.append(tok)
+                seq.output_ids.append(tok)
+                if result.logprobs and result.logprobs[at + j] is not None:
+                    seq.logprobs.append(result.logprobs[at + j])
+                reason = self._stop_reason(seq, tok)
+                if reason:
+                    self._finish(seq, reason)
+                    break
             if self.suspects and self.suspects[0] is seq:  # it ran alone through a whole step: not the cause
                 self.suspects.pop(0)
-            reason = self._stop_reason(seq, tok)
-            if reason:
-                self._finish(seq, reason)
-            out.append((seq, tok))
+            out.append((seq, kept))
         return out
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:

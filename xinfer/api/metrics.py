@@ -80,7 +80,10 @@ class Metrics:
                 ("xinfer:prefix_cache_hits", "Prompt tokens served from the prefix cache",
                  s.prefix_cache_hit_tokens),
                 ("xinfer:num_preemptions", "Sequences preempted for KV space", s.preemptions),
-                ("xinfer:worker_restarts", "Model worker restarts", s.worker_restarts)):
+                ("xinfer:worker_restarts", "Model worker restarts", s.worker_restarts),
+                ("xinfer:spec_decode_num_draft_tokens", "Speculative draft tokens verified", s.spec_draft_tokens),
+                ("xinfer:spec_decode_num_accepted_tokens", "Speculative draft tokens accepted",
+                 s.spec_accepted_tokens)):
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric(m, value)
             yield c

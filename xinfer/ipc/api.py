@@ -38,6 +38,8 @@ class Stats(msgspec.Struct, array_like=True, tag="stats"):
     preemptions: int
     worker_restarts: int
     restart_seconds: list[tuple[str, int, float]] = []  # per child: (restarts, seconds they took in all)
+    spec_draft_tokens: int = 0  # speculative decoding: drafts verified, and how many were accepted
+    spec_accepted_tokens: int = 0
 
 
 class RequestError(msgspec.Struct, array_like=True, tag="err"):

@@ -34,6 +34,11 @@ class Scheduled(msgspec.Struct, array_like=True):
     seq_id: int
     num_tokens: int  # tokens to compute this step, from the sequence's num_computed on
     new_block_ids: list[int]
+    # Speculative decoding: this many draft tokens follow the sequence's last token and are verified
+    # in the same forward (their KV slots are in the blocks). `draft_ids`: the drafts themselves
+    # (n-gram, proposed by the scheduler); empty: the worker's draft model proposes them.
+    num_spec: int = 0
+    draft_ids: bytes = b""
 
 
 class StepPlan(msgspec.Struct, array_like=True, tag="plan"):
@@ -50,7 +55,7 @@ class StepPlan(msgspec.Struct, array_like=True, tag="plan"):
 class StepResult(msgspec.Struct, array_like=True, tag="result"):
     step_id: int
     seq_ids: list[int]  # the sequences that sampled a token this step, in batch order
-    token_ids: bytes
+    token_ids: bytes  # every sequence's new tokens, in seq_ids order
     # Per sampled token, when asked: (chosen logprob, [(token id, logprob), ...] top alternatives)
     logprobs: list[tuple[float, list[tuple[int, float]]] | None] = []
     # Prompt logprobs computed this step: (seq id, position of the first scored token, entries), each
@@ -60,3 +65,6 @@ class StepResult(msgspec.Struct, array_like=True, tag="result"):
     # Embedding sequences whose prompt finished this step: (seq id, the pooled, L2-normalised final
     # hidden state as raw float32 bytes)
     embeddings: list[tuple[int, bytes]] = []
+    # Speculative decoding: how many of token_ids each sequence got (its accepted drafts and one more);
+    # empty: one each
+    counts: list[int] = []

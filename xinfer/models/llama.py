@@ -104,7 +104,7 @@ class LlamaForCausalLM(nn.Module):
     # ---- the forward pass ----
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         meta, backend = context()
-        if (meta is not None and meta.max_seqlen_q == 1 and input_ids.shape[0] <= max_rows(self.head_fast is not None)
+        if (meta is not None and input_ids.shape[0] <= max_rows(self.head_fast is not None) and meta.row_decode() is not None
                 and backend.name == "torch" and input_ids.device.type == "cpu"):
             dec = self.cpu_decoder()
             if dec is not None:

@@ -4,34 +4,25 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ops import cpu_isa
-from ops.attention import AttnMetadata, get_backend, set_context
+from ops.attention import get_backend
 from ops.quant import max_rows
-from ops.sampling import SamplingBatch, sample
+from ops.sampling import sample
+from ops.speculative import verify
+from xinfer import spec
 from xinfer.config import EngineConfig
 from xinfer.ipc.step import StepPlan, StepResult, pack_ids, unpack_ids
-from xinfer.loader import ModelInfo
+from xinfer.loader import ModelInfo, load_model_info
 from xinfer.loader.weights import build_model
 from xinfer.models.layers import attach_bf16, attach_blocks
-from xinfer.sampling_params import SamplingParams
+from xinfer.workers.batch import WorkerSeq, drafted, forward, sampling_batch
+from xinfer.workers.drafter import Drafter
 
 log = logging.getLogger("xinfer.worker")
-
-
-@dataclass
-class WorkerSeq:
-    tokens: list[int]
-    num_prompt: int
-    num_computed: int
-    block_ids: list[int]
-    params: SamplingParams
-    seed: int | None
-    pool_sum: torch.Tensor | None = None  # params.embed with mean pooling: float32 sum of the rows so far
 
 
 def kv_bytes_per_token(cfg: dict, dtype: torch.dtype) -> int:
@@ -40,8 +31,11 @@ def kv_bytes_per_token(cfg: dict, dtype: torch.dtype) -> int:
     return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
-def num_kv_blocks(config: EngineConfig, cfg: dict, dtype: torch.dtype, device: torch.device) -> int:
-    per_block = kv_bytes_per_token(cfg, dtype) * config.block_size
+def num_kv_blocks(config: EngineConfig, cfg: dict, dtype: torch.dtype, device: torch.device,
+                  draft_cfg: dict | None = None) -> int:
+    """`draft_cfg`: a draft model's config; its KV lives in the same blocks."""
+    per_token = kv_bytes_per_token(cfg, dtype) + (kv_bytes_per_token(draft_cfg, dtype) if draft_cfg else 0)
+    per_block = per_token * config.block_size
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = free * config.kv_fraction
@@ -63,26 +57,41 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         torch.manual_seed(config.seed)
         cfg = dict(info.config, _max_positions=config.max_model_len)
-        self.model = build_model(dataclasses.replace(info, config=cfg), self.dtype, self.device)
-        if config.quantization == "gguf":
-            n = attach_blocks(self.model, info.gguf.quantized_blocks(), self.model.remap)
-            log.info("GGUF blocks kept for %d weights (batches of up to %d rows read them)", n,
-                     max_rows(config.cpu_matmul == "bfloat16"))
+        self.model = self._build(info, cfg)
         self.vocab_size = cfg["vocab_size"]
         self.eos_ids = info.eos_token_ids
         self.backend = get_backend(config.attention_backend, self.device)
         if self.device.type == "cpu":
-            if config.cpu_matmul == "bfloat16":
-                attach_bf16(self.model)
             log.info(cpu_isa.describe(config.cpu_matmul, config.quantization == "gguf"))
         self.block_size = config.block_size
+        self.drafter, draft_cfg = None, None
+        if spec.method(config, info.config) == "draft":
+            dinfo = load_model_info(config.draft_model)
+            draft_cfg = dict(dinfo.config, _max_positions=config.max_model_len)
+            self.drafter = Drafter(self._build(dinfo, draft_cfg), self.backend, self.device, self.block_size,
+                                   self.vocab_size, self.eos_ids, config.prefill_chunk_size)
+            log.info("draft model %s proposes %d tokens a step", dinfo.name, config.num_speculative_tokens)
         self.num_blocks = num_blocks or config.num_kv_blocks or num_kv_blocks(config, cfg, self.dtype,
-                                                                               self.device)
-        self._alloc_kv(cfg)
+                                                                               self.device, draft_cfg)
+        self._alloc_kv(self.model)
+        if self.drafter is not None:
+            self._alloc_kv(self.drafter.model)
         self.seqs: dict[int, WorkerSeq] = {}
 
-    def _alloc_kv(self, cfg):
-        layers = self.model.attention_layers()
+    def _build(self, info: ModelInfo, cfg: dict):
+        """The model with its fast CPU weights: GGUF blocks (a quantized GGUF, when the target's
+        --quantization settled on gguf) and bfloat16 copies (--cpu-matmul bfloat16)."""
+        model = build_model(dataclasses.replace(info, config=cfg), self.dtype, self.device)
+        if self.config.quantization == "gguf" and info.kind == "gguf" and info.gguf.quantized:
+            n = attach_blocks(model, info.gguf.quantized_blocks(), model.remap)
+            log.info("GGUF blocks kept for %d weights (batches of up to %d rows read them)", n,
+                     max_rows(self.config.cpu_matmul == "bfloat16"))
+        if self.device.type == "cpu" and self.config.cpu_matmul == "bfloat16":
+            attach_bf16(model)
+        return model
+
+    def _alloc_kv(self, model):
+        layers = model.attention_layers()
         a = layers[0]
         shape = (self.num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
         for layer in layers:
@@ -119,7 +128,6 @@ class ModelRunner:
         except Exception as e:
             log.warning("step %d failed: %s: %s", plan.step_id, type(e).__name__, e)
             log.debug("step failure", exc_info=True)
-            set_context(None)
             self.seqs.clear()
             return StepResult(plan.step_id, [], b"", error=f"{type(e).__name__}: {e}")
 
@@ -128,61 +136,82 @@ class ModelRunner:
         self._apply(plan)
         if not plan.scheduled:
             return StepResult(plan.step_id, [], b"")
-        bs = self.block_size
-        ids, pos, slots, qlens, kvlens, tables, sample_rows, sample_seqs = [], [], [], [], [], [], [], []
+        drafts = {s.seq_id: unpack_ids(s.draft_ids) for s in plan.scheduled if s.num_spec and s.draft_ids}
+        q = {}
+        if self.drafter is not None and any(s.num_spec and not s.draft_ids for s in plan.scheduled):
+            for sid, (d, qd) in self.drafter.propose(plan, self.seqs).items():
+                drafts[sid], q[sid] = d, qd
+        rows, sample_rows, sample_seqs, n = [], [], [], 0
         scored = []  # prompt logprobs asked: (seq id, first row, first scored position, count)
         pooled = []  # embedding sequences: (seq id, first row, first position, end)
         for s in plan.scheduled:
             ws = self.seqs[s.seq_id]
             start, end = ws.num_computed, ws.num_computed + s.num_tokens
             if ws.params.prompt_logprobs is not None and start < ws.num_prompt - 1:
-                scored.append((s.seq_id, len(ids), start + 1, min(end, ws.num_prompt - 1) - start))
+                scored.append((s.seq_id, n, start + 1, min(end, ws.num_prompt - 1) - start))
             if ws.params.embed:
-                pooled.append((s.seq_id, len(ids), start, end))
-            ids.extend(ws.tokens[start:end])
-            p = np.arange(start, end)
-            pos.append(p)
-            blocks = np.asarray(ws.block_ids, dtype=np.int64)
-            slots.append(blocks[p // bs] * bs + p % bs)
-            qlens.append(s.num_tokens)
-            kvlens.append(end)
-            tables.append(ws.block_ids)
-            if end == len(ws.tokens):  # caught up: this step yields the next token
-                sample_rows.append(len(ids) - 1)
+                pooled.append((s.seq_id, n, start, end))
+            d = drafts.get(s.seq_id, [])
+            rows.append((ws.block_ids, start, ws.tokens[start:end] + d))
+            n += s.num_tokens + len(d)
+            if end == len(ws.tokens):  # caught up: this step yields the next token (and verifies drafts)
+                sample_rows.extend(range(n - len(d) - 1, n))
                 sample_seqs.append(s.seq_id)
-        dev = self.device
-        width = max(len(t) for t in tables)
-        table = np.zeros((len(tables), width), dtype=np.int32)
-        for i, t in enumerate(tables):
-            table[i, :len(t)] = t
-        meta = AttnMetadata(
-            cu_seqlens_q=torch.tensor(np.cumsum([0] + qlens), dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(kvlens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(table).to(dev),
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            query_lens=qlens, kv_lens=kvlens, block_size=bs)
-        set_context(meta, self.backend)
-        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
-                            torch.from_numpy(np.concatenate(pos)).to(dev))
-        set_context(None)
+        hidden = forward(self.model, self.backend, self.device, self.block_size, rows)
         for s in plan.scheduled:
             self.seqs[s.seq_id].num_computed += s.num_tokens
         prompt_lps = self._prompt_logprobs(hidden, scored) if scored else []
         embeddings = self._pool(hidden, pooled) if pooled else []
         if not sample_seqs:
             return StepResult(plan.step_id, [], b"", [], prompt_lps, embeddings=embeddings)
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
-        batch = self._sampling_batch([self.seqs[i] for i in sample_seqs])
-        if plan.mask_seq_ids:
-            row = {sid: i for i, sid in enumerate(sample_seqs)}
-            words = torch.from_numpy(np.frombuffer(plan.masks, dtype=np.int32).reshape(len(plan.mask_seq_ids), -1).copy())
-            batch.grammar = (torch.tensor([row[sid] for sid in plan.mask_seq_ids], device=dev), words.to(dev))
-        tokens, lps = sample(logits, batch)
-        tokens = tokens.tolist()
-        for sid, t in zip(sample_seqs, tokens):
-            self.seqs[sid].tokens.append(t)
-        return StepResult(plan.step_id, sample_seqs, pack_ids(tokens), self._logprobs(sample_seqs, tokens, lps),
-                          prompt_lps, embeddings=embeddings)
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        new, lps = self._sample(plan, logits, sample_seqs, drafts, q)
+        for sid in sample_seqs:
+            ws, toks = self.seqs[sid], new[sid]
+            ws.tokens.extend(toks)
+            if sid in drafts:  # the accepted drafts' KV is valid; the rejected ones' slots are given back
+                ws.num_computed += len(toks) - 1
+                ws.draft_computed = min(ws.draft_computed, ws.num_computed)
+                del ws.block_ids[spec.blocks_needed(ws.num_computed, self.block_size):]
+        flat = [t for sid in sample_seqs for t in new[sid]]
+        per_token = [e for sid in sample_seqs for e in lps.get(sid, [None] * len(new[sid]))] if lps else []
+        return StepResult(plan.step_id, sample_seqs, pack_ids(flat), per_token, prompt_lps, embeddings=embeddings,
+                          counts=[len(new[sid]) for sid in sample_seqs] if drafts else [])
+
+    def _sample(self, plan, logits, sample_seqs, drafts, q):
+        """Each sampling sequence's new tokens ({seq id: [tokens]}) and, when asked, their logprobs
+        ({seq id: [entry per token]}). logits: one row per sequence, k + 1 for one with k drafts."""
+        plain = [sid for sid in sample_seqs if sid not in drafts]
+        rows, r = {}, 0
+        for sid in sample_seqs:
+            rows[sid] = r
+            r += 1 + len(drafts.get(sid, []))
+        dev, new, lps = self.device, {}, {}
+        if plain:
+            lg = logits if len(plain) == len(sample_seqs) else logits[torch.tensor([rows[s] for s in plain], device=dev)]
+            batch = sampling_batch([self.seqs[i] for i in plain], self.vocab_size, self.eos_ids, dev)
+            if plan.mask_seq_ids:
+                row = {sid: i for i, sid in enumerate(plain)}
+                words = torch.from_numpy(np.frombuffer(plan.masks, dtype=np.int32).reshape(len(plan.mask_seq_ids), -1).copy())
+                batch.grammar = (torch.tensor([row[sid] for sid in plan.mask_seq_ids], device=dev), words.to(dev))
+            tokens, lp = sample(lg, batch)
+            tokens = tokens.tolist()
+            new.update((sid, [t]) for sid, t in zip(plain, tokens))
+            if lp is not None:
+                lps.update((sid, [e]) for sid, e in zip(plain, self._logprobs(plain, tokens, lp)))
+        specs = [sid for sid in sample_seqs if sid in drafts]
+        if specs:
+            idx = [rows[sid] + j for sid in specs for j in range(1 + len(drafts[sid]))]
+            lg = logits[torch.tensor(idx, device=dev)]
+            views = [v for sid in specs for v in drafted(self.seqs[sid], drafts[sid])]
+            batch = sampling_batch(views, self.vocab_size, self.eos_ids, dev)
+            toks, lp = verify(lg, batch, [drafts[sid] for sid in specs], [q.get(sid) for sid in specs])
+            new.update(zip(specs, toks))
+            if lp is not None:
+                per_token = [sid for sid, t in zip(specs, toks) for _ in t]
+                entries = iter(self._logprobs(per_token, [x for t in toks for x in t], lp))
+                lps.update((sid, [next(entries) for _ in t]) for sid, t in zip(specs, toks))
+        return new, lps
 
     def _pool(self, hidden, pooled) -> list[tuple[int, bytes]]:
         """Embedding sequences: --pooling over their prompt's final hidden states, which come in as
@@ -211,17 +240,9 @@ class ModelRunner:
         nb = -(-n // bs)
         if self.seqs or nb > self.num_blocks:
             raise ValueError(f"log_probs needs an idle runner with {nb} free KV blocks")
-        table = torch.arange(nb, dtype=torch.int32, device=dev)[None]
-        out = []
+        blocks, out = list(range(nb)), []
         for start in range(0, n, chunk):
-            end = min(n, start + chunk)
-            pos = torch.arange(start, end, device=dev)
-            set_context(AttnMetadata(
-                cu_seqlens_q=torch.tensor([0, end - start], dtype=torch.int32, device=dev),
-                seq_lens=torch.tensor([end], dtype=torch.int32, device=dev), block_tables=table,
-                slot_mapping=pos, query_lens=[end - start], kv_lens=[end], block_size=bs), self.backend)
-            hidden = self.model(torch.tensor(ids[start:end], dtype=torch.long, device=dev), pos)
-            set_context(None)
+            hidden = forward(self.model, self.backend, dev, bs, [(blocks, start, ids[start:start + chunk])])
             out += [torch.log_softmax(self.model.compute_logits(h).float(), dim=-1) for h in hidden.split(128)]
         return torch.cat(out)
 
@@ -258,54 +279,3 @@ class ModelRunner:
                 alts = list(zip(top_ids[i][:k], top_vals[i][:k])) if k and top_ids else []
                 out.append((chosen[i], alts))
         return out
-
-    def _sampling_batch(self, seqs: list[WorkerSeq]) -> SamplingBatch:
-        dev, V = self.device, self.vocab_size
-        ps = [s.params for s in seqs]
-
-        def col(values, dtype=torch.float32, off=None):
-            if off is not None and all(v == off for v in values):
-                return None
-            return torch.tensor(values, dtype=dtype, device=dev)
-
-        def padded(lists):
-            width = max(1, max(len(x) for x in lists))
-            arr = np.full((len(lists), width), V, dtype=np.int64)
-            for i, x in enumerate(lists):
-                arr[i, :len(x)] = x
-            return torch.from_numpy(arr).to(dev)
-
-        outputs = [s.tokens[s.num_prompt:] for s in seqs]
-        rep = col([p.repetition_penalty for p in ps], off=1.0)
-        pres = col([p.presence_penalty for p in ps], off=0.0)
-        freq = col([p.frequency_penalty for p in ps], off=0.0)
-        bias_rows, bias_ids, bias_vals, ban_rows, ban_ids, seeds = [], [], [], [], [], []
-        ok_rows, ok_ids = [], []
-        for i, (s, p, out) in enumerate(zip(seqs, ps, outputs)):
-            for tid, v in (p.logit_bias or {}).items():
-                bias_rows.append(i), bias_ids.append(int(tid)), bias_vals.append(float(v))
-            if len(out) < p.min_tokens:
-                for tid in set(([] if p.ignore_eos else self.eos_ids) + list(p.stop_token_ids)):
-                    ban_rows.append(i), ban_ids.append(tid)
-            for bad in p.bad_words_ids:  # its last token, where the output ends with the rest of it
-                if len(bad) == 1 or out[len(out) - len(bad) + 1:] == bad[:-1]:
-                    ban_rows.append(i), ban_ids.append(bad[-1])
-            if p.allowed_token_ids:
-                ok_rows.extend([i] * len(p.allowed_token_ids)), ok_ids.extend(p.allowed_token_ids)
-            if s.seed is not None:
-                # the noise for output position k depends only on (seed, k)
-                seeds.append((i, s.seed * 1_000_003 + len(out)))
-        top_k = [min(p.top_k, V) if p.top_k > 0 else V for p in ps]
-        return SamplingBatch(
-            temperature=torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev),
-            top_k=col(top_k, torch.long, off=V), top_p=col([p.top_p for p in ps], off=1.0),
-            min_p=col([p.min_p for p in ps], off=0.0),
-            repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq,
-            output_ids=padded(outputs) if (rep is not None or pres is not None or freq is not None) else None,
-            prompt_ids=padded([s.tokens[:s.num_prompt] for s in seqs]) if rep is not None else None,
-            bias=(torch.tensor(bias_rows, device=dev), torch.tensor(bias_ids, device=dev),
-                  torch.tensor(bias_vals, device=dev)) if bias_rows else None,
-            banned=(torch.tensor(ban_rows, device=dev), torch.tensor(ban_ids, device=dev)) if ban_rows else None,
-            allowed=(torch.tensor(ok_rows, device=dev), torch.tensor(ok_ids, device=dev)) if ok_rows else None,
-            seeds=seeds, all_greedy=all(p.greedy for p in ps),
-            num_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=None))

@@ -1,0 +1,112 @@
+"""What the model runner and the draft model share: the persistent batch's sequence state, one
+paged forward over rows of several sequences, and a step's sampling parameters."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ops.attention import AttnMetadata, set_context
+from ops.sampling import SamplingBatch
+from xinfer.sampling_params import SamplingParams
+
+
+@dataclass
+class WorkerSeq:
+    tokens: list[int]
+    num_prompt: int
+    num_computed: int
+    block_ids: list[int]
+    params: SamplingParams
+    seed: int | None
+    pool_sum: torch.Tensor | None = None  # params.embed with mean pooling: float32 sum of the rows so far
+    draft_computed: int = 0  # --speculative-method draft: tokens in the draft model's KV cache
+
+
+def drafted(ws: WorkerSeq, drafts: list[int]) -> list[WorkerSeq]:
+    """The sampling rows of a sequence with drafts: row j sees the drafts before it as output."""
+    return [ws] + [dataclasses.replace(ws, tokens=ws.tokens + drafts[:j]) for j in range(1, len(drafts) + 1)]
+
+
+def forward(model, backend, device, block_size: int, rows: list[tuple[list[int], int, list[int]]]):
+    """Hidden states of `rows` (block ids, position of the first token, tokens), one sequence each,
+    appended to what their KV cache holds before those positions."""
+    bs = block_size
+    ids, pos, slots, qlens, kvlens = [], [], [], [], []
+    for blocks, start, toks in rows:
+        ids.extend(toks)
+        p = np.arange(start, start + len(toks))
+        pos.append(p)
+        slots.append(np.asarray(blocks, dtype=np.int64)[p // bs] * bs + p % bs)
+        qlens.append(len(toks))
+        kvlens.append(start + len(toks))
+    width = max(len(b) for b, _, _ in rows)
+    table = np.zeros((len(rows), width), dtype=np.int32)
+    for i, (b, _, _) in enumerate(rows):
+        table[i, :len(b)] = b
+    meta = AttnMetadata(
+        cu_seqlens_q=torch.tensor(np.cumsum([0] + qlens), dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(kvlens, dtype=torch.int32, device=device),
+        block_tables=torch.from_numpy(table).to(device),
+        slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device),
+        query_lens=qlens, kv_lens=kvlens, block_size=bs)
+    set_context(meta, backend)
+    try:
+        return model(torch.tensor(ids, dtype=torch.long, device=device), torch.from_numpy(np.concatenate(pos)).to(device))
+    finally:
+        set_context(None)
+
+
+def sampling_batch(seqs: list[WorkerSeq], vocab_size: int, eos_ids: list[int], dev) -> SamplingBatch:
+    """One row per sequence (or per view of one: see `drafted`)."""
+    V = vocab_size
+    ps = [s.params for s in seqs]
+
+    def col(values, dtype=torch.float32, off=None):
+        if off is not None and all(v == off for v in values):
+            return None
+        return torch.tensor(values, dtype=dtype, device=dev)
+
+    def padded(lists):
+        width = max(1, max(len(x) for x in lists))
+        arr = np.full((len(lists), width), V, dtype=np.int64)
+        for i, x in enumerate(lists):
+            arr[i, :len(x)] = x
+        return torch.from_numpy(arr).to(dev)
+
+    outputs = [s.tokens[s.num_prompt:] for s in seqs]
+    rep = col([p.repetition_penalty for p in ps], off=1.0)
+    pres = col([p.presence_penalty for p in ps], off=0.0)
+    freq = col([p.frequency_penalty for p in ps], off=0.0)
+    bias_rows, bias_ids, bias_vals, ban_rows, ban_ids, seeds = [], [], [], [], [], []
+    ok_rows, ok_ids = [], []
+    for i, (s, p, out) in enumerate(zip(seqs, ps, outputs)):
+        for tid, v in (p.logit_bias or {}).items():
+            bias_rows.append(i), bias_ids.append(int(tid)), bias_vals.append(float(v))
+        if len(out) < p.min_tokens:
+            for tid in set(([] if p.ignore_eos else eos_ids) + list(p.stop_token_ids)):
+                ban_rows.append(i), ban_ids.append(tid)
+        for bad in p.bad_words_ids:  # its last token, where the output ends with the rest of it
+            if len(bad) == 1 or out[len(out) - len(bad) + 1:] == bad[:-1]:
+                ban_rows.append(i), ban_ids.append(bad[-1])
+        if p.allowed_token_ids:
+            ok_rows.extend([i] * len(p.allowed_token_ids)), ok_ids.extend(p.allowed_token_ids)
+        if s.seed is not None:
+            # the noise for output position k depends only on (seed, k)
+            seeds.append((i, s.seed * 1_000_003 + len(out)))
+    top_k = [min(p.top_k, V) if p.top_k > 0 else V for p in ps]
+    return SamplingBatch(
+        temperature=torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev),
+        top_k=col(top_k, torch.long, off=V), top_p=col([p.top_p for p in ps], off=1.0),
+        min_p=col([p.min_p for p in ps], off=0.0),
+        repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq,
+        output_ids=padded(outputs) if (rep is not None or pres is not None or freq is not None) else None,
+        prompt_ids=padded([s.tokens[:s.num_prompt] for s in seqs]) if rep is not None else None,
+        bias=(torch.tensor(bias_rows, device=dev), torch.tensor(bias_ids, device=dev),
+              torch.tensor(bias_vals, device=dev)) if bias_rows else None,
+        banned=(torch.tensor(ban_rows, device=dev), torch.tensor(ban_ids, device=dev)) if ban_rows else None,
+        allowed=(torch.tensor(ok_rows, device=dev), torch.tensor(ok_ids, device=dev)) if ok_rows else None,
+        seeds=seeds, all_greedy=all(p.greedy for p in ps),
+        num_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=None))
