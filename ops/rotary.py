@@ -1,4 +1,5 @@
-"""Rotary position embeddings (HF "rotate half" layout) with default, linear and llama3 scaling."""
+"""Rotary position embeddings with default, linear, llama3 and longrope (Phi-3) scaling, in HF's
+"rotate half" layout or in interleaved pairs (GLM-4), over all of each head or its first rot_dim."""
 from __future__ import annotations
 
 import math
@@ -8,10 +9,16 @@ import torch
 from ops.cpu_kernels import lib
 
 
-def inv_freq(rot_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+def _kind(scaling: dict | None) -> str:
+    return (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+
+
+def inv_freq(rot_dim: int, theta: float, scaling: dict | None, max_position: int = 0) -> torch.Tensor:
+    """`max_position`: the context the table serves; longrope picks its factors by it."""
     # float32 throughout, exactly as the reference implementation computes it
-    freqs = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
-    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    exponents = torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim
+    freqs = 1.0 / (theta ** exponents)
+    kind = _kind(scaling)
     if kind == "linear":
         freqs = freqs / scaling["factor"]
     elif kind == "llama3":
@@ -22,41 +29,66 @@ def inv_freq(rot_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
         scaled = torch.where(wavelen > old_ctx / lo, freqs / factor, freqs)
         mid = (wavelen <= old_ctx / lo) & (wavelen >= old_ctx / hi)
         freqs = torch.where(mid, (1 - smooth) * freqs / factor + smooth * freqs, scaled)
+    elif kind in ("longrope", "su"):
+        # One factor set for every position, the long one when the served context passes the pretraining
+        # one (llama.cpp's rule), so no cached key was rotated by the other table. transformers picks by
+        # the longest position of each forward call: the same set whenever both sit on the same side.
+        long = max_position > scaling["original_max_position_embeddings"]
+        ext = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        freqs = 1.0 / (ext * theta ** exponents)
     elif kind != "default":
-        raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+        raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, longrope)")
     return freqs
+
+
+def attention_scaling(scaling: dict | None) -> float:
+    """What longrope multiplies cos and sin by, as transformers does: it keeps attention as sharp
+    over a context stretched `factor` times."""
+    if _kind(scaling) not in ("longrope", "su"):
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, orig = scaling["factor"], scaling["original_max_position_embeddings"]
+    return math.sqrt(1 + math.log(factor) / math.log(orig)) if factor > 1.0 else 1.0
 
 
 class RotaryEmbedding(torch.nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None,
-                 rot_dim: int | None = None):
+                 rot_dim: int | None = None, interleaved: bool = False):
         super().__init__()
         self.rot_dim = rot_dim or head_dim
-        f = inv_freq(self.rot_dim, theta, scaling)
+        self.interleaved = interleaved  # pairs (x0, x1), (x2, x3), ... rather than (x_i, x_i+rot_dim/2)
+        f = inv_freq(self.rot_dim, theta, scaling, max_position)
         t = torch.arange(max_position, dtype=torch.float32)
         angles = torch.outer(t, f)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        scale = attention_scaling(scaling)
+        self.register_buffer("cos", angles.cos() * scale, persistent=False)
+        self.register_buffer("sin", angles.sin() * scale, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q [T, Hq, D], k [T, Hk, D]; positions [T]. With the C kernels, float32 views into the QKV
         projection's output (rows strided, heads packed) are rotated in place."""
-        if (q.dtype == k.dtype == torch.float32 and q.device.type == "cpu" and lib() is not None
-                and q.stride()[1:] == (q.shape[2], 1) and k.stride()[1:] == (k.shape[2], 1)
+        if (not self.interleaved and q.dtype == k.dtype == torch.float32 and q.device.type == "cpu"
+                and lib() is not None and q.stride()[1:] == (q.shape[2], 1) and k.stride()[1:] == (k.shape[2], 1)
                 and positions.dtype == torch.int64 and positions.is_contiguous()):
             lib().xinfer_rope(q.data_ptr(), k.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), positions.data_ptr(),
                               q.shape[0], q.shape[1], k.shape[1], q.shape[2], self.rot_dim, q.stride(0), k.stride(0))
             return q, k
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        return _apply(q, cos, sin, self.rot_dim), _apply(k, cos, sin, self.rot_dim)
+        return (_apply(q, cos, sin, self.rot_dim, self.interleaved),
+                _apply(k, cos, sin, self.rot_dim, self.interleaved))
 
 
-def _apply(x, cos, sin, rot_dim):
+def _apply(x, cos, sin, rot_dim, interleaved=False):
     dtype = x.dtype
     xr = x[..., :rot_dim].float()
-    x1, x2 = xr.chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype)
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2).to(dtype)
+    else:
+        x1, x2 = xr.chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype)
     if rot_dim == x.shape[-1]:
         return out
     return torch.cat((out, x[..., rot_dim:]), dim=-1)

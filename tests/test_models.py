@@ -1,14 +1,33 @@
 """Every architecture: xinfer's logits equal transformers' on the same random tiny weights,
-for a batch of prompts of different lengths, through chunked prefill and 32 decode steps (12 under the Triton interpreter)."""
+for a batch of prompts of different lengths, through chunked prefill and 32 decode steps (12 under the Triton interpreter).
+Phi-3 and GLM-4 also from GGUF files written from those weights with the gguf package's own tensor names."""
+import math
+
+import gguf
+import numpy as np
 import pytest
 import torch
 import transformers as tf
+from gguf import GGMLQuantizationType as Q
 
 from tests.conftest import BACKENDS
 from xinfer import Engine, EngineConfig, SamplingParams
+from xinfer.loader.gguf import load_gguf
+from xinfer.loader.gguf_tokenizer import bytes_to_unicode
 
 SMALL = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)  # the defaults of Phi-3 and GLM-4 lie outside 320
+
+
+def _longrope(orig, dims):
+    """LongRoPE over `dims` rotated dims, pretrained on `orig` positions (SMALL stretches it to 256).
+    Phi3Config overwrites the rope_scaling's original_max_position_embeddings with its own: both are set."""
+    return dict(original_max_position_embeddings=orig, rope_scaling={
+        "rope_type": "longrope", "original_max_position_embeddings": orig,
+        "short_factor": [1.0 + 0.1 * i for i in range(dims // 2)],
+        "long_factor": [2.0 + 0.7 * i for i in range(dims // 2)]})
+
 
 ARCHS = {
     "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**SMALL, tie_word_embeddings=False)),
@@ -25,19 +44,33 @@ ARCHS = {
     "gemma3": lambda: tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(
         **SMALL, head_dim=16, sliding_window=6, query_pre_attn_scalar=24,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    "phi3": lambda: tf.Phi3ForCausalLM(tf.Phi3Config(**SMALL, **IDS, sliding_window=9)),
+    # Every sequence checked here (15 to 69 tokens) is past 8 positions: transformers takes the long factors,
+    # and xinfer too, as it serves 256. Partial rotary as in Phi-4-mini: 12 of 16 dims.
+    "phi3_longrope": lambda: tf.Phi3ForCausalLM(tf.Phi3Config(
+        **SMALL, **IDS, partial_rotary_factor=0.75, **_longrope(8, 12))),
+    # ... and none is past 128: both take the short factors (xinfer serves 128), with the attention scaling.
+    "phi3_longrope_short": lambda: tf.Phi3ForCausalLM(tf.Phi3Config(**SMALL, **IDS, **_longrope(128, 16))),
+    "glm4": lambda: tf.Glm4ForCausalLM(tf.Glm4Config(**SMALL, **IDS, head_dim=32)),
 }
+ENGINE_ARGS = {"phi3_longrope_short": dict(max_model_len=128)}
 
 PROMPTS = [list(range(3, 40)), [7, 9, 11], [5] * 13 + [100, 200, 300], list(range(250, 270))]
 
 
-@pytest.fixture(scope="module", params=sorted(ARCHS))
-def tiny(request, tmp_path_factory):
+def _make(name):
     torch.manual_seed(0)
-    model = ARCHS[request.param]().eval()
+    model = ARCHS[name]().eval()
     # Random init leaves some weights at 0/1; perturb everything so each parameter matters.
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def tiny(request, tmp_path_factory):
+    model = _make(request.param)
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
     return request.param, str(path), model
@@ -59,8 +92,13 @@ def _record_logits(engine):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_logits_match_transformers(tiny, backend):
     name, path, ref = tiny
+    _check_logits(name, path, ref, backend)
+
+
+def _check_logits(name, path, ref, backend="torch"):
     engine = Engine(EngineConfig(model=path, attention_backend=backend, block_size=4, num_kv_blocks=200,
-                                 prefill_chunk_size=8, max_num_batched_tokens=24, max_num_seqs=8))
+                                 prefill_chunk_size=8, max_num_batched_tokens=24, max_num_seqs=8,
+                                 **ENGINE_ARGS.get(name, {})))
     orig = engine.runner.model.compute_logits
     per_seq = {}
 
@@ -94,3 +132,104 @@ def test_logits_match_transformers(tiny, backend):
         worst = max(worst, (got - want).abs().max().item())
         assert torch.equal(got.argmax(-1), torch.tensor(out.token_ids))
     assert worst < 1e-4, f"{name}/{backend}: max |logit diff| {worst:.2e}"
+    return engine
+
+
+# ---- GGUF: the same tiny weights, written as llama.cpp's converter lays them out
+
+
+def _write_gguf(model, arch, path, qtype):
+    """Matrices in `qtype` (F32 or a block type), everything else F32; a byte-level vocabulary to load."""
+    c = model.config
+    rp = c.rope_parameters
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(rp["rope_theta"])
+    w.add_rope_dimension_count(int(head_dim * rp["partial_rotary_factor"]))
+    if arch == "glm4":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if arch == "phi3":
+        w.add_sliding_window(c.sliding_window or 0)
+        if rp["rope_type"] == "longrope":
+            orig = rp["original_max_position_embeddings"]
+            w.add_rope_scaling_orig_ctx_len(orig)
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(c.max_position_embeddings / orig) / math.log(orig)))
+            w.add_tensor("rope_factors_long.weight", np.array(rp["long_factor"], np.float32))
+            w.add_tensor("rope_factors_short.weight", np.array(rp["short_factor"], np.float32))
+    chars = list(bytes_to_unicode().values())
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("glm4" if arch == "glm4" else "gpt2")
+    w.add_token_list(chars + [f"t{i}" for i in range(c.vocab_size - len(chars))])
+    w.add_token_merges(["t 0"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    names = gguf.get_tensor_name_map({"phi3": gguf.MODEL_ARCH.PHI3, "glm4": gguf.MODEL_ARCH.GLM4}[arch],
+                                     c.num_hidden_layers)
+    for name, t in model.state_dict().items():
+        gname, data = names.get_name(name, try_suffixes=(".weight", ".bias")), t.numpy()
+        if qtype == Q.F32 or data.ndim != 2:
+            w.add_tensor(gname, data)
+        else:
+            w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("name,qtype", [("phi3_longrope", Q.F32), ("phi3", Q.Q8_0), ("glm4", Q.F32),
+                                        ("glm4", Q.Q8_0)], ids=lambda v: getattr(v, "name", v))
+def test_gguf_logits_match_transformers(tmp_path, name, qtype):
+    """From GGUF, fused weights included; a Q8_0 file against transformers on the dequantized weights, with
+    the blocks kept for the fused linears (the decode steps read them)."""
+    arch = name.split("_")[0]
+    model = _make(name)
+    path = tmp_path / f"{name}.gguf"
+    _write_gguf(model, arch, path, qtype)
+    if qtype != Q.F32:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), qtype), qtype)))
+    cfg = load_gguf(str(path)).config
+    assert cfg["model_type"] == model.config.model_type
+    assert cfg["partial_rotary_factor"] == model.config.rope_parameters["partial_rotary_factor"]
+    if name == "phi3_longrope":
+        want = model.config.rope_parameters
+        assert cfg["rope_scaling"]["long_factor"] == pytest.approx(want["long_factor"])
+        assert cfg["rope_scaling"]["short_factor"] == pytest.approx(want["short_factor"])
+    engine = _check_logits(name, str(path), model)
+    layer = engine.runner.model.model.layers[0]
+    fused = [layer.self_attn.qkv_proj, layer.mlp.gate_up_proj]
+    assert all((lin.blocks is not None) == (qtype != Q.F32) for lin in fused)
+
+
+def test_transformers4_config_keys():
+    """transformers<5 config.json layouts build the same rotary tables: Phi-3's rope_scaling of type "su"
+    with the pretraining context beside it, GLM-4's top-level partial_rotary_factor or none (half)."""
+    from xinfer.models import model_class
+
+    def rotary(cfg):
+        return model_class(cfg)(cfg).model.layers[0].self_attn.rotary
+
+    phi = dict(_make("phi3_longrope").config.to_dict(), architectures=["Phi3ForCausalLM"])
+    rp = phi.pop("rope_parameters")
+    old = dict(phi, rope_theta=rp["rope_theta"], partial_rotary_factor=0.75, original_max_position_embeddings=8,
+               rope_scaling={"type": "su", "short_factor": rp["short_factor"], "long_factor": rp["long_factor"]})
+    new, was = rotary(dict(phi, rope_parameters=rp)), rotary(old)
+    assert new.rot_dim == was.rot_dim == 12
+    assert torch.equal(new.cos, was.cos) and torch.equal(new.sin, was.sin)
+    assert new.cos.abs().max() > 1.5  # the long factors' attention scaling, sqrt(1 + ln 32 / ln 8)
+    glm = dict(_make("glm4").config.to_dict(), architectures=["Glm4ForCausalLM"])
+    glm.pop("rope_parameters")
+    for extra in ({"partial_rotary_factor": 0.5}, {}):
+        r = rotary(dict(glm, rope_theta=10000.0, **extra))
+        assert (r.rot_dim, r.interleaved) == (16, True)

@@ -35,6 +35,8 @@ ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "phi3": ("Phi3ForCausalLM", "phi3"),
+    "glm4": ("Glm4ForCausalLM", "glm4"),
 }
 
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -59,6 +61,15 @@ _GEMMA3_BLOCK_TENSORS = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Phi-3 and GLM-4 keep HF's fused qkv / gate-up (ffn_up holds both); GLM-4 norms both sublayers' outputs.
+_FUSED_BLOCK_TENSORS = {
+    **_BLOCK_TENSORS,
+    "attn_qkv": "self_attn.qkv_proj",
+    "ffn_up": "mlp.gate_up_proj",
+    "post_attention_norm": "post_self_attn_layernorm",
+    "post_ffw_norm": "post_mlp_layernorm",
+}
+_ARCH_BLOCK_TENSORS = {"gemma3": _GEMMA3_BLOCK_TENSORS, "phi3": _FUSED_BLOCK_TENSORS, "glm4": _FUSED_BLOCK_TENSORS}
 # Stacked [n_expert, out, in] tensors, yielded one expert at a time.
 _EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -160,6 +171,18 @@ class GGUFModel:
                 cfg["rope_scaling"]["original_max_position_embeddings"] = orig
         if "rope_freqs.weight" in tensor_names:
             cfg["rope_scaling"] = self._llama3_rope_scaling(tensors["rope_freqs.weight"], cfg)
+        rot = self._meta(a + "rope.dimension_count", None)
+        if rot:
+            cfg["partial_rotary_factor"] = rot / cfg["head_dim"]
+        if self.arch == "phi3":
+            cfg["sliding_window"] = self._meta(a + "attention.sliding_window", 0) or None  # 0: none (Phi-4)
+            if "rope_factors_long.weight" in tensor_names:  # LongRoPE: the factors travel as tensors
+                long, short = (self._dequantize(t, t.data, (int(t.n_elements),)).tolist()
+                               for t in (tensors["rope_factors_long.weight"], tensors["rope_factors_short.weight"]))
+                cfg["rope_scaling"] = {
+                    "rope_type": "longrope", "long_factor": long, "short_factor": short,
+                    "original_max_position_embeddings": self._meta(a + "rope.scaling.original_context_length"),
+                    "attention_factor": self._meta(a + "rope.scaling.attn_factor", None)}
         if self.arch == "qwen3moe":
             cfg.update(num_experts=self._meta(a + "expert_count"),
                        num_experts_per_tok=self._meta(a + "expert_used_count"),
@@ -214,7 +237,7 @@ class GGUFModel:
 
     def _named_tensors(self):
         """(checkpoint name, GGUF tensor) of every tensor a model loads; expert stacks named by block."""
-        block_names = _GEMMA3_BLOCK_TENSORS if self.arch == "gemma3" else _BLOCK_TENSORS
+        block_names = _ARCH_BLOCK_TENSORS.get(self.arch, _BLOCK_TENSORS)
         for t in self._reader.tensors:
             m = _BLOCK_RE.fullmatch(t.name)
             if m and m[2] in _EXPERT_TENSORS:

@@ -31,7 +31,7 @@ _PRE_SPLITS = {
     **dict.fromkeys(["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"],
                     [r"\p{N}", _GPT2_SPLIT]),
     **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
-                     "dbrx", "smaug-bpe", "chatglm-bpe"], [_LLAMA3_SPLIT]),
+                     "dbrx", "smaug-bpe", "chatglm-bpe", "glm4"], [_LLAMA3_SPLIT]),
     **dict.fromkeys(["qwen2", "stablelm2", "hunyuan", "deepseek-r1-qwen", "megrez", "kormo"], [_QWEN2_SPLIT]),
     **dict.fromkeys(["gpt-4o", "llama4", "minimax-m2", "kanana2"], [_GPT4O_SPLIT]),
     "tekken": [_TEKKEN_SPLIT],

@@ -41,6 +41,8 @@ class Linear(nn.Module):
         self.fast = None  # the weight in bfloat16 (attach_bf16)
 
     def _load_shard(self, param, loaded, shard):
+        if shard is None:  # a checkpoint that stores the fused weight whole (Phi-3's qkv_proj, gate_up_proj)
+            return default_loader(param, loaded)
         start, size = self.shards[shard]
         default_loader(param.data.narrow(0, start, size), loaded)
 
@@ -179,9 +181,12 @@ def attach_blocks(model: nn.Module, blocks, remap=None) -> int:
     count = 0
     for pname, got in parts.items():
         lin = linears[pname]
-        if set(got) != set(lin.shards):
+        if None in got:  # the whole weight, fused or not
+            q = got[None]
+        elif set(got) == set(lin.shards):
+            q = QuantWeight.cat([got[s] for s in sorted(lin.shards, key=lambda s: lin.shards[s][0])])
+        else:
             continue  # some shard is in a type the kernels do not read: float only
-        q = QuantWeight.cat([got[s] for s in sorted(lin.shards, key=lambda s: lin.shards[s][0])])
         if q is not None and q.shape == tuple(lin.weight.shape):
             lin.blocks = q
             count += 1

@@ -22,8 +22,24 @@ def rope_params(cfg: dict, layer_type: str | None = None) -> tuple[float, dict |
         rp = rp[layer_type]
     if rp and "rope_theta" in rp:
         kind = rp.get("rope_type", "default")
-        return float(rp["rope_theta"]), (None if kind == "default" else rp)
-    return float(cfg.get("rope_theta", 10000.0)), cfg.get("rope_scaling")
+        theta, scaling = float(rp["rope_theta"]), (None if kind == "default" else rp)
+    else:
+        theta, scaling = float(cfg.get("rope_theta", 10000.0)), cfg.get("rope_scaling")
+    if scaling and (scaling.get("rope_type") or scaling.get("type")) in ("longrope", "su"):
+        # transformers<5 Phi-3 configs keep the pretraining context beside rope_scaling; with no
+        # `factor`, the stretch is max_position_embeddings over it (it sets the attention scaling)
+        orig = scaling.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"]
+        scaling = dict(scaling, original_max_position_embeddings=orig,
+                       factor=scaling.get("factor") or cfg["max_position_embeddings"] / orig)
+    return theta, scaling
+
+
+def rotary_dim(cfg: dict, head_dim: int, default: float, layer_type: str | None = None) -> int:
+    """How many leading dims of each head rotate: partial_rotary_factor, in either config layout."""
+    rp = cfg.get("rope_parameters") or {}
+    if layer_type and layer_type in rp:
+        rp = rp[layer_type]
+    return int(head_dim * rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default)))
 
 
 def max_positions(cfg: dict) -> int:
@@ -60,6 +76,8 @@ class LlamaForCausalLM(nn.Module):
     layer_cls = DecoderLayer
     norm_offset = 0.0
     qk_norm = False
+    partial_rotary = 1.0  # the share of each head that rotates when the config does not say
+    interleaved_rotary = False
 
     def __init__(self, cfg: dict):
         super().__init__()
@@ -78,9 +96,11 @@ class LlamaForCausalLM(nn.Module):
     def make_rotary(self, cfg, idx, layer_type=None):
         """One table per distinct rope setting, shared by the layers that use it."""
         theta, scaling = rope_params(cfg, layer_type)
-        key = (theta, repr(scaling))
+        rot = rotary_dim(cfg, self.head_dim, self.partial_rotary, layer_type)
+        key = (theta, repr(scaling), rot)
         if key not in self._rotary:
-            self._rotary[key] = RotaryEmbedding(self.head_dim, max_positions(cfg), theta, scaling)
+            self._rotary[key] = RotaryEmbedding(self.head_dim, max_positions(cfg), theta, scaling, rot,
+                                                self.interleaved_rotary)
         return self._rotary[key]
 
     def sliding_window(self, cfg, idx):
@@ -139,7 +159,8 @@ class LlamaForCausalLM(nn.Module):
     def _decode_layer(layer) -> dict | None:
         a, mlp = layer.self_attn, layer.mlp
         if type(layer) is not DecoderLayer or type(a) is not Attention or type(mlp) is not GatedMLP \
-                or mlp.act is not F.silu or a.k_cache is None or a.k_cache.dtype != torch.float32:
+                or mlp.act is not F.silu or a.rotary.interleaved or a.k_cache is None \
+                or a.k_cache.dtype != torch.float32:
             return None
         lins = {"qkv": a.qkv_proj, "o": a.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
         if any(lin.blocks is None for lin in lins.values()):
