@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from bench import cmd_compare, cmd_curve, cmd_fidelity, cmd_fuzz, cmd_offline, cmd_serve, cmd_soak
 from bench.common import load_scenario
@@ -152,6 +153,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             raise SystemExit(f"xinfer-bench: scenario {args.scenario!r}: unknown keys {bad}")
         if args.mode == "soak":
             section = {k: v for k, v in section.items() if k not in ("num_requests",)}  # soak runs on time
+        if section.get("dataset_path") and not Path(section["dataset_path"]).is_absolute():
+            section["dataset_path"] = str(Path(__file__).resolve().parent.parent / section["dataset_path"])
         sub.set_defaults(**section)
         args = parser.parse_args(argv)
     return args

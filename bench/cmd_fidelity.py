@@ -16,14 +16,18 @@ TEXT = Path(__file__).resolve().parent / "texts" / "fidelity.txt"
 
 def setting(spec: str) -> dict:
     """'cpu_matmul=float32,quantization=none' -> EngineConfig fields."""
+    import dataclasses
     from xinfer.config import EngineConfig
+    types = {f.name: str(f.type) for f in dataclasses.fields(EngineConfig)}
     out = {}
     for part in filter(None, spec.split(",")):
         key, _, value = part.partition("=")
         key = key.strip().replace("-", "_")
         if key not in EngineConfig.field_names():
             raise SystemExit(f"xinfer-bench fidelity: {key!r} is not an engine setting")
-        out[key] = value.strip()
+        value = value.strip()
+        t = types[key]  # annotations are strings: "int", "float | None", ...
+        out[key] = int(value) if t.startswith("int") else float(value) if t.startswith("float") else value
     return out
 
 

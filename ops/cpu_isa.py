@@ -66,10 +66,11 @@ def has_bf16() -> bool:
     return LEVELS.index(level()) >= LEVELS.index("avx512_bf16")
 
 
-def describe(matmul: str, blocks: bool) -> str:
+def describe(matmul: str, blocks: bool, bf16_dots: bool = False) -> str:
     """The one start-up line: the level and the path that serves each kind of step."""
     big = "bfloat16 GEMMs (oneDNN" + (", AMX tiles)" if level() == "amx" else ")") if matmul == "bfloat16" \
         else "float32 GEMMs (oneDNN)"
     from ops.quant import max_rows
-    small = f"GGUF block kernels up to {max_rows(matmul == 'bfloat16')} rows, then " if blocks else ""
+    dots = " (bfloat16 dot products)" if matmul == "bfloat16" and bf16_dots else ""
+    small = f"GGUF block kernels{dots} up to {max_rows(matmul == 'bfloat16')} rows, then " if blocks else ""
     return f"cpu {level()}: decode {small}{big}; batched decode and prefill: {big}"

@@ -63,8 +63,8 @@ def lib():
     if so is None:
         return None
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    so.xinfer_q4_mm.argtypes = [p, p, p, p, p, i, i, i]
-    so.xinfer_q8_mm.argtypes = [p, p, p, p, i, i, i]
+    so.xinfer_q4_mm.argtypes = [p, p, p, p, p, i, i, i, i]
+    so.xinfer_q8_mm.argtypes = [p, p, p, p, i, i, i, i]
     so.xinfer_paged_decode.argtypes = [p, p, p, p, i, p, p, i, i, i, i, i, f, i, f]
     so.xinfer_add_rmsnorm.argtypes = [p, p, p, p, i, i, f, f]
     so.xinfer_rope.argtypes = [p, p, p, p, p, i, i, i, i, i, ctypes.c_int64, ctypes.c_int64]
@@ -95,6 +95,12 @@ def _build(cc: str):
                 return None
             os.replace(tmp_out, out)  # atomic: concurrent workers never load a half-written file
     return ctypes.CDLL(str(out))
+
+
+def has_bf16() -> bool:
+    """The block kernels were built with AVX512_BF16 dot products (--cpu-matmul bfloat16 uses them)."""
+    so = lib()
+    return bool(so is not None and so.xinfer_has_bf16())
 
 
 def available() -> bool:

@@ -34,6 +34,7 @@ class QuantWeight:
 
     def __init__(self, kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, shape):
         self.kind, self.qs, self.d, self.m, self.shape = kind, qs, d, m, tuple(shape)
+        self.bf16 = False  # --cpu-matmul bfloat16: the kernels' bfloat16 dot products, where the CPU has them
 
     @classmethod
     def from_gguf(cls, type_name: str, blocks: np.ndarray, shape) -> "QuantWeight":
@@ -76,7 +77,7 @@ class QuantWeight:
         y = torch.empty(rows, n, dtype=torch.float32)
         if self.kind == "q4":
             lib().xinfer_q4_mm(self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), x.data_ptr(), y.data_ptr(),
-                             rows, n, k)
+                               rows, n, k, self.bf16)
         else:
-            lib().xinfer_q8_mm(self.qs.data_ptr(), self.d.data_ptr(), x.data_ptr(), y.data_ptr(), rows, n, k)
+            lib().xinfer_q8_mm(self.qs.data_ptr(), self.d.data_ptr(), x.data_ptr(), y.data_ptr(), rows, n, k, self.bf16)
         return y

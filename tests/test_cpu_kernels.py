@@ -53,6 +53,21 @@ def test_block_matmul_matches_float32(type_name):
         torch.testing.assert_close(q(x), x @ ref.T, rtol=1e-5, atol=1e-5)  # the kernel at every size
 
 
+@pytest.mark.skipif(not cpu_kernels.has_bf16(), reason="this build has no AVX512_BF16 dot products (the bf16 "
+                    "build test reruns this where the CPU has them)")
+@pytest.mark.parametrize("type_name", TYPES)
+def test_bf16_dot_products_match_rounded_float32(type_name):
+    """--cpu-matmul bfloat16: weights and activations rounded to bfloat16, float32 sums; a row's
+    result does not depend on the rows beside it (what keeps speculative decoding lossless here)."""
+    q, ref = _blocks(type_name)
+    q.bf16 = True
+    for rows in [1, 2, 3, 5, 8, 9, 12]:
+        x = torch.randn(rows, ref.shape[1])
+        got = q(x)
+        torch.testing.assert_close(got, x.bfloat16().float() @ ref.bfloat16().float().T, rtol=1e-5, atol=1e-5)
+        assert torch.equal(q(x[-1:]), got[-1:])
+
+
 def test_fused_blocks_keep_row_order():
     parts = [_blocks(t, n=n, seed=i) for i, (t, n) in enumerate([("Q4_1", 64), ("Q4_0", 32), ("Q4_1", 32)])]
     fused = QuantWeight.cat([p for p, _ in parts])
@@ -189,6 +204,19 @@ def test_the_build_is_the_one_asked_for():
     assert width in (256, 512) and (want is None or width == want)
 
 
+@pytest.mark.skipif(cpu_kernels.has_bf16() or "avx512_bf16" not in cpu_isa.cpu_flags(),
+                    reason="this build has the bf16 kernels already, or the CPU lacks AVX512_BF16")
+def test_the_bf16_build_passes_its_tests(tmp_path):
+    """The suite builds the kernels below BF16 (conftest: exact float32); where the CPU has
+    AVX512_BF16, XINFER_CPU_ISA=avx512_bf16 builds its dot products and reruns what tests them."""
+    env = dict(os.environ, XINFER_CPU_ISA="avx512_bf16", XINFER_CACHE_DIR=str(tmp_path))
+    tests = os.path.dirname(__file__)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "bf16 and not bf16_build", __file__,
+                        os.path.join(tests, "test_spec.py")], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-1000:]
+
+
 @pytest.mark.skipif(os.environ.get("XINFER_CPU_ISA") == "avx2", reason="this is the AVX2 rerun itself")
 def test_the_avx2_build_passes_the_same_tests(tmp_path):
     """AVX2 machines (no AVX-512) get their own matmul kernels: XINFER_CPU_ISA=avx2 builds them for
@@ -196,7 +224,7 @@ def test_the_avx2_build_passes_the_same_tests(tmp_path):
     if cpu_isa.level_of(cpu_isa.cpu_flags()) == "none":
         pytest.skip("this CPU has no AVX2")
     env = dict(os.environ, XINFER_CPU_ISA="avx2", XINFER_CACHE_DIR=str(tmp_path))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not avx2_build",
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not avx2_build and not bf16",
                         __file__], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-1000:]

@@ -6,6 +6,7 @@ import signal
 import pytest
 import torch
 
+from ops import cpu_kernels
 from ops.sampling import SamplingBatch
 from ops.speculative import verify
 from xinfer import Engine, EngineConfig, SamplingParams
@@ -221,3 +222,16 @@ def test_bundled_model_copy_and_self_draft(smollm_path):
             assert s.num_accepted_tokens >= 0.9 * s.num_draft_tokens > 0
         else:
             assert s.num_accepted_tokens > 0
+
+
+@pytest.mark.skipif(not cpu_kernels.has_bf16(), reason="no AVX512_BF16 block kernels in this build (the bf16 "
+                    "build test in test_cpu_kernels.py reruns this where the CPU has them)")
+def test_bf16_path_stays_lossless(smollm_path):
+    """The fast path (bfloat16 dot products in the block kernels): a sequence's rows give the same
+    numbers alone or with its drafts beside them, so greedy output is the same with n-gram drafts."""
+    text = "Repeat after me: one two three four five six seven eight nine ten, one two three four five"
+    params = SamplingParams(temperature=0, max_tokens=32)
+    base = Engine(EngineConfig(cpu_matmul="bfloat16"))
+    fast = Engine(EngineConfig(cpu_matmul="bfloat16", num_speculative_tokens=4))
+    assert fast.generate([text], params)[0].token_ids == base.generate([text], params)[0].token_ids
+    assert fast.scheduler.num_accepted_tokens > 0

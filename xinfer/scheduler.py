@@ -44,6 +44,7 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    spec_k: int = 0  # speculative decoding: drafts to ask for next step (0: --num-speculative-tokens)
     children: list["Sequence"] = field(default_factory=list)  # n > 1 siblings waiting for the prompt
     index: int = 0  # which of its request's n choices
     strikes: int = 0  # failed steps it was in (a worker crash or a step that raised)
@@ -121,7 +122,7 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed, chunk, budget)
             drafts = self._drafts(seq, budget) if speculate else None
             if drafts is not None:
-                k = len(drafts) if self.spec_method == "ngram" else self.config.num_speculative_tokens
+                k = len(drafts) if self.spec_method == "ngram" else seq.spec_k or self.config.num_speculative_tokens
                 k = min(k, seq.max_tokens - len(seq.output_ids) - 1, self.max_model_len - seq.num_tokens - 1, budget - 1)
                 new_blocks = self._grow(seq, 1 + k) if k > 0 else None
                 if new_blocks is not None:
@@ -187,7 +188,7 @@ class Scheduler:
         if self.spec_method != "ngram":
             return []
         c = self.config
-        return spec.ngram_propose(seq.tokens, c.num_speculative_tokens, c.ngram_min, c.ngram_max) or None
+        return spec.ngram_propose(seq.tokens, seq.spec_k or c.num_speculative_tokens, c.ngram_min, c.ngram_max) or None
 
     def _grow(self, seq: Sequence, n: int) -> list[int] | None:
         """Blocks so that `n` more tokens fit; None when the cache can't give them."""
@@ -267,6 +268,9 @@ class Scheduler:
                     self.num_draft_tokens += k
                     self.num_accepted_tokens += accepted
                     self.num_spec_steps += 1
+                    # Verifying a draft costs compute whether it is kept or not: ask for more while they
+                    # are all accepted (a copied passage), fewer after a miss
+                    seq.spec_k = min(2 * k, self.config.num_speculative_tokens) if accepted == k else max(1, accepted)
                     keep = spec.blocks_needed(seq.num_computed, self.bm.block_size)
                     self.bm.release(seq.block_ids[keep:])
                     del seq.block_ids[keep:]

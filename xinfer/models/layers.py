@@ -198,16 +198,20 @@ def attach_blocks(model: nn.Module, blocks, remap=None) -> int:
 
 def attach_bf16(model: nn.Module) -> int:
     """--cpu-matmul bfloat16: each Linear, and the LM head, gets a bfloat16 copy of its weight for
-    the batches its GGUF blocks (if any) do not take. A Linear with blocks no longer reads its
-    float32 weight (small batches read the blocks, the rest the copy): it is freed, so the model
-    takes less memory than in float32, not more. Returns how many weights got a copy."""
+    the batches its GGUF blocks (if any) do not take; the blocks' kernels round to bfloat16 too. A
+    Linear with blocks no longer reads its float32 weight (small batches read the blocks, the rest
+    the copy): it is freed, so the model takes less memory than in float32, not more. Returns how
+    many weights got a copy."""
     n = 0
     for mod in model.modules():
         if isinstance(mod, Linear):
             mod.fast = mod.weight.data.to(torch.bfloat16)
             if mod.blocks is not None:
                 mod.weight.data = torch.empty(0, dtype=mod.weight.dtype)
+                mod.blocks.bf16 = True
             n += 1
     head = model.model.embed_tokens.weight if model.tied else model.lm_head.weight
     model.head_fast = head.data.to(torch.bfloat16)
+    if getattr(model, "head_blocks", None) is not None:
+        model.head_blocks.bf16 = True
     return n

@@ -8,7 +8,7 @@ import logging
 import numpy as np
 import torch
 
-from ops import cpu_isa
+from ops import cpu_isa, cpu_kernels
 from ops.attention import get_backend
 from ops.quant import max_rows
 from ops.sampling import sample
@@ -62,7 +62,7 @@ class ModelRunner:
         self.eos_ids = info.eos_token_ids
         self.backend = get_backend(config.attention_backend, self.device)
         if self.device.type == "cpu":
-            log.info(cpu_isa.describe(config.cpu_matmul, config.quantization == "gguf"))
+            log.info(cpu_isa.describe(config.cpu_matmul, config.quantization == "gguf", cpu_kernels.has_bf16()))
         self.block_size = config.block_size
         self.drafter, draft_cfg = None, None
         if spec.method(config, info.config) == "draft":
