@@ -27,6 +27,7 @@ log = logging.getLogger("xinfer.attention")
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256
 
 
 def paged_kv_csr(meta: AttnMetadata):
@@ -85,8 +86,9 @@ class FlashInferBackend(AttentionBackend):
         return w
 
     def forward(self, q, k_cache, v_cache, meta, scale, sliding_window=None, softcap=None):
-        if q.dtype not in SUPPORTED_DTYPES:
-            return self._unsupported(q.dtype).forward(q, k_cache, v_cache, meta, scale, sliding_window, softcap)
+        if q.dtype not in SUPPORTED_DTYPES or q.shape[-1] > MAX_HEAD_DIM:
+            return self._unsupported(q.dtype, q.shape[-1]).forward(q, k_cache, v_cache, meta, scale, sliding_window,
+                                                                   softcap)
         step = meta.cache.get("flashinfer")
         if step is None:
             step = meta.cache["flashinfer"] = {
@@ -112,10 +114,12 @@ class FlashInferBackend(AttentionBackend):
             step["planned"].add(key)
         return w.run(q.contiguous(), (k_cache, v_cache))
 
-    def _unsupported(self, dtype):
-        """FlashInfer kernels take fp16/bf16 only: other dtypes (e.g. --dtype float32) go to Triton or torch."""
+    def _unsupported(self, dtype, head_dim):
+        """FlashInfer kernels take fp16/bf16 only, and heads up to 256: other dtypes (e.g. --dtype float32)
+        and MLA's latent heads (576) go to Triton or torch."""
         if self._fallback is None:
             name = "triton" if importlib.util.find_spec("triton") else "torch"
-            log.warning("flashinfer does not support %s; attention falls back to the %s backend", dtype, name)
+            log.warning("flashinfer does not support %s with head size %d; attention falls back to the %s backend",
+                        dtype, head_dim, name)
             self._fallback = get_backend(name, torch.device("cuda"))
         return self._fallback

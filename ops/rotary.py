@@ -1,4 +1,4 @@
-"""Rotary position embeddings with default, linear, llama3 and longrope (Phi-3) scaling, in HF's
+"""Rotary position embeddings with default, linear, llama3, longrope (Phi-3) and YaRN scaling, in HF's
 "rotate half" layout or in interleaved pairs (GLM-4), over all of each head or its first rot_dim."""
 from __future__ import annotations
 
@@ -36,18 +36,50 @@ def inv_freq(rot_dim: int, theta: float, scaling: dict | None, max_position: int
         long = max_position > scaling["original_max_position_embeddings"]
         ext = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
         freqs = 1.0 / (ext * theta ** exponents)
+    elif kind == "yarn":
+        freqs = _yarn(rot_dim, theta, scaling, exponents)
     elif kind != "default":
-        raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, longrope)")
+        raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, longrope, "
+                         "yarn)")
     return freqs
 
 
+def _yarn(rot_dim: int, theta: float, scaling: dict, exponents: torch.Tensor) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than beta_slow times over the pretraining context are
+    interpolated (divided by `factor`), those past beta_fast kept, a linear ramp between."""
+    factor, orig = scaling["factor"], scaling["original_max_position_embeddings"]
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dim_of(turns):  # the dimension whose frequency turns `turns` times over `orig` positions
+        return rot_dim * math.log(orig / (turns * 2 * math.pi)) / (2 * math.log(theta))
+    lo, hi = dim_of(fast), dim_of(slow)
+    if scaling.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, rot_dim - 1)
+    if lo == hi:
+        hi += 0.001
+    keep = 1 - ((torch.arange(rot_dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    pos = theta ** exponents
+    return 1.0 / (factor * pos) * (1 - keep) + 1.0 / pos * keep
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
 def attention_scaling(scaling: dict | None) -> float:
-    """What longrope multiplies cos and sin by, as transformers does: it keeps attention as sharp
-    over a context stretched `factor` times."""
-    if _kind(scaling) not in ("longrope", "su"):
+    """What longrope and YaRN multiply cos and sin by, as transformers does: it keeps attention as
+    sharp over a context stretched `factor` times."""
+    kind = _kind(scaling)
+    if kind not in ("longrope", "su", "yarn"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
+    if kind == "yarn":
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if m and m_all:
+            return yarn_mscale(scaling["factor"], m) / yarn_mscale(scaling["factor"], m_all)
+        return yarn_mscale(scaling["factor"])
     factor, orig = scaling["factor"], scaling["original_max_position_embeddings"]
     return math.sqrt(1 + math.log(factor) / math.log(orig)) if factor > 1.0 else 1.0
 

@@ -17,6 +17,8 @@ from gguf.quants import dequantize
 from tokenizers import Tokenizer, processors
 
 from xinfer.errors import ModelLoadError
+from xinfer.loader.gguf_arch import (ARCH_BLOCK_TENSORS, ARCHITECTURES, BLOCK_TENSORS, EXPERT_TENSORS, GLOBAL_TENSORS,
+                                     WHOLE_TENSORS, arch_config)
 from xinfer.loader.gguf_file import GGUFFile
 from xinfer.loader.gguf_tokenizer import add_special_tokens, byte_level_tokenizer, sentencepiece_tokenizer
 
@@ -28,50 +30,6 @@ log = logging.getLogger("xinfer.loader.gguf")
 # GGUF block types the CPU kernels read (ops/quant.py) -> bytes per 32-weight block
 BLOCK_TYPES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
-# general.architecture -> (HF class, HF model_type)
-ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
-    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
-    "phi3": ("Phi3ForCausalLM", "phi3"),
-    "glm4": ("Glm4ForCausalLM", "glm4"),
-}
-
-_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_BLOCK_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "ffn_gate_inp": "mlp.gate",  # MoE router
-}
-# Gemma has four norms per layer; llama.cpp's ffn_norm is its pre-feedforward norm.
-_GEMMA3_BLOCK_TENSORS = {
-    **_BLOCK_TENSORS,
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-# Phi-3 and GLM-4 keep HF's fused qkv / gate-up (ffn_up holds both); GLM-4 norms both sublayers' outputs.
-_FUSED_BLOCK_TENSORS = {
-    **_BLOCK_TENSORS,
-    "attn_qkv": "self_attn.qkv_proj",
-    "ffn_up": "mlp.gate_up_proj",
-    "post_attention_norm": "post_self_attn_layernorm",
-    "post_ffw_norm": "post_mlp_layernorm",
-}
-_ARCH_BLOCK_TENSORS = {"gemma3": _GEMMA3_BLOCK_TENSORS, "phi3": _FUSED_BLOCK_TENSORS, "glm4": _FUSED_BLOCK_TENSORS}
-# Stacked [n_expert, out, in] tensors, yielded one expert at a time.
-_EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
 
@@ -162,6 +120,7 @@ class GGUFModel:
             "pad_token_id": self._meta("tokenizer.ggml.padding_token_id", None),
             "hidden_act": "silu",
             "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+            "use_qk_norm": "blk.0.attn_q_norm.weight" in tensor_names,
         }
         scaling = self._meta(a + "rope.scaling.type", "none")
         if scaling in ("linear", "yarn"):
@@ -183,12 +142,7 @@ class GGUFModel:
                     "rope_type": "longrope", "long_factor": long, "short_factor": short,
                     "original_max_position_embeddings": self._meta(a + "rope.scaling.original_context_length"),
                     "attention_factor": self._meta(a + "rope.scaling.attn_factor", None)}
-        if self.arch == "qwen3moe":
-            cfg.update(num_experts=self._meta(a + "expert_count"),
-                       num_experts_per_tok=self._meta(a + "expert_used_count"),
-                       moe_intermediate_size=self._meta(a + "expert_feed_forward_length"),
-                       # llama.cpp always renormalizes the top-k router weights for qwen3moe
-                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+        cfg.update(arch_config(self.arch, self._meta, cfg))
         if self.arch == "gemma3":
             n_layers = cfg["num_hidden_layers"]
             # llama.cpp hard-codes these for gemma3: every 6th layer is global, local rope base 10000.
@@ -237,15 +191,17 @@ class GGUFModel:
 
     def _named_tensors(self):
         """(checkpoint name, GGUF tensor) of every tensor a model loads; expert stacks named by block."""
-        block_names = _ARCH_BLOCK_TENSORS.get(self.arch, _BLOCK_TENSORS)
+        block_names = ARCH_BLOCK_TENSORS.get(self.arch, BLOCK_TENSORS)
         for t in self._reader.tensors:
             m = _BLOCK_RE.fullmatch(t.name)
-            if m and m[2] in _EXPERT_TENSORS:
+            if m and m[2] in EXPERT_TENSORS:
                 yield m, t
             elif m and m[2] in block_names:
                 yield f"model.layers.{m[1]}.{block_names[m[2]]}.{m[3]}", t
-            elif (g := _GLOBAL_RE.fullmatch(t.name)) and g[1] in _GLOBAL_TENSORS:
-                yield f"{_GLOBAL_TENSORS[g[1]]}.{g[2]}", t
+            elif m and m[2] in WHOLE_TENSORS:
+                yield f"model.layers.{m[1]}.{WHOLE_TENSORS[m[2]]}", t
+            elif (g := _GLOBAL_RE.fullmatch(t.name)) and g[1] in GLOBAL_TENSORS:
+                yield f"{GLOBAL_TENSORS[g[1]]}.{g[2]}", t
             else:
                 log.debug("%s: skipping tensor %s", self.path, t.name)
 
@@ -257,7 +213,7 @@ class GGUFModel:
                 m = name
                 shape = (int(t.shape[1]), int(t.shape[0]))
                 for e in range(t.data.shape[0]):
-                    name = f"model.layers.{m[1]}.mlp.experts.{e}.{_EXPERT_TENSORS[m[2]]}.{m[3]}"
+                    name = f"model.layers.{m[1]}.mlp.experts.{e}.{EXPERT_TENSORS[m[2]]}.{m[3]}"
                     yield name, torch.from_numpy(self._dequantize(t, t.data[e], shape))
                 continue
             w = self._fix_rows(name, self._dequantize(t, t.data, tuple(int(d) for d in reversed(t.shape))))

@@ -1,3 +1,4 @@
 """One file per architecture family; importing this package registers them all."""
-from xinfer.models import bert, gemma3, glm4, llama, mistral, phi3, qwen2, qwen3, qwen3_moe  # noqa: F401
+from xinfer.models import (  # noqa: F401
+    bert, deepseek_v3, gemma3, glm4, glm4_moe, llama, mistral, phi3, qwen2, qwen3, qwen3_moe)
 from xinfer.models.registry import ENCODERS, MODELS, model_class  # noqa: F401

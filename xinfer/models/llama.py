@@ -31,6 +31,10 @@ def rope_params(cfg: dict, layer_type: str | None = None) -> tuple[float, dict |
         orig = scaling.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"]
         scaling = dict(scaling, original_max_position_embeddings=orig,
                        factor=scaling.get("factor") or cfg["max_position_embeddings"] / orig)
+    if scaling and (scaling.get("rope_type") or scaling.get("type")) == "yarn":
+        orig = scaling.get("original_max_position_embeddings") or cfg["max_position_embeddings"]
+        scaling = dict(scaling, original_max_position_embeddings=orig,
+                       factor=scaling.get("factor") or cfg["max_position_embeddings"] / orig)
     return theta, scaling
 
 

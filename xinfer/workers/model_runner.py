@@ -26,9 +26,12 @@ log = logging.getLogger("xinfer.worker")
 
 
 def kv_bytes_per_token(cfg: dict, dtype: torch.dtype) -> int:
+    size = torch.tensor([], dtype=dtype).element_size()
+    if cfg.get("kv_lora_rank"):  # MLA: one latent and rotary key per token stand for both K and V
+        return cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * size
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * size
 
 
 def num_kv_blocks(config: EngineConfig, cfg: dict, dtype: torch.dtype, device: torch.device,
@@ -96,9 +99,11 @@ class ModelRunner:
         shape = (self.num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
         for layer in layers:
             layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            # kv_shared (MLA): the one cached latent is read as both K and V
+            layer.v_cache = layer.k_cache if getattr(layer, "kv_shared", False) else torch.zeros_like(layer.k_cache)
+        n = sum(1 if getattr(ly, "kv_shared", False) else 2 for ly in layers)
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
-                 2 * len(layers) * np.prod(shape) * layers[0].k_cache.element_size() / (1 << 30))
+                 n * np.prod(shape) * layers[0].k_cache.element_size() / (1 << 30))
 
     def restart(self) -> None:
         self.seqs.clear()  # in-process: nothing died; the recompute refills the batch
