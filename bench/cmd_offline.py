@@ -74,6 +74,8 @@ def run(args) -> int:
                     "max_input_len": args.max_input_len, "min_output_len": args.min_output_len,
                     "max_output_len": args.max_output_len, "temperature": args.temperature, "seed": args.seed},
          **m,
+         "spec": {"drafts": engine.scheduler.num_draft_tokens, "accepted": engine.scheduler.num_accepted_tokens,
+                  "steps": engine.scheduler.num_spec_steps},
          "output_throughput_series": stats.token_rate_series(records, duration),
          "concurrency_series": stats.concurrency_series(records, duration),
          **stats.records_lists(records)}
@@ -81,6 +83,10 @@ def run(args) -> int:
     print(f"{len(prompts)} sequences, {m['total_input_tokens']} prompt + {m['total_output_tokens']} generated "
           f"tokens in {duration:.2f}s: {m['output_throughput']:.1f} output tok/s, "
           f"{m['total_token_throughput']:.1f} total tok/s ({c.device}, {c.dtype}, max_num_seqs {c.max_num_seqs})")
+    if r["spec"]["steps"]:
+        sp = r["spec"]
+        print(f"speculative: {sp['accepted']} of {sp['drafts']} drafts accepted, "
+              f"{(sp['accepted'] + sp['steps']) / sp['steps']:.2f} tokens per verifying step")
     out = Path(args.output_dir)
     stem = stem_of(args, "offline")
     write_json(out / f"{stem}.json", r)
