@@ -39,7 +39,7 @@ def log_probs(model: str | None, fields: dict, ids: list[int] | None, tokens: in
     try:
         ids = ids or engine.tokenizer.encode(text)[:tokens]
         lp = engine.runner.log_probs(ids, engine.config.prefill_chunk_size)
-        used = {k: getattr(engine.config, k) for k in ("dtype", "quantization", "cpu_matmul")}
+        used = {k: getattr(engine.config, k) for k in ("dtype", "quantization", "cpu_matmul", "kvcache_dtype")}
     finally:
         engine.close()
     return ids, lp, used, time.perf_counter() - t0

@@ -5,7 +5,8 @@ cu_seqlens_q[b]:cu_seqlens_q[b+1]; its KV length after this step is seq_lens[b]
 (the new tokens' K/V are stored before attention runs), so its query row i sits at
 position seq_lens[b] - q_len + i. KV position p of sequence b lives in cache block
 block_tables[b, p // block_size] at offset p % block_size. Cache layout per layer:
-[num_blocks, block_size, num_kv_heads, head_dim] for K and for V.
+[num_blocks, block_size, num_kv_heads, head_dim] for K and for V, in the --kvcache-dtype's storage
+dtype (fp8 caches carry their scales beside them: ops/kv_quant.py).
 
 The metadata lives in a per-step context (set by the model runner) so model code
 never threads it through forward signatures.
@@ -18,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from ops import kv_quant
 
 
 FLAT_MAX = 16  # see AttnMetadata.is_short
@@ -81,8 +84,9 @@ class AttentionBackend(abc.ABC):
 
 class TorchBackend(AttentionBackend):
     """Runs anywhere. Decodes are batched into one padded SDPA call; each prefill chunk
-    runs alone with an explicit causal (and sliding-window) mask. On a CPU where the C kernels
-    build (ops/cpu_kernels.py), float32 decodes read the paged cache in place instead."""
+    runs alone with an explicit causal (and sliding-window) mask; both gather (and dequantize, see
+    ops/kv_quant.py) only the cache rows they read. On a CPU where the C kernels build
+    (ops/cpu_kernels.py), float32 decodes read the paged cache in place instead, in any of its formats."""
 
     name = "torch"
 
@@ -91,11 +95,11 @@ class TorchBackend(AttentionBackend):
         self._c = cpu_kernels.lib()
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
-        nb, bs, h, d = k_cache.shape
-        k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        kv_quant.store(k, k_cache, slot_mapping)
+        if v_cache is not k_cache:  # MLA's one cache: k is v
+            kv_quant.store(v, v_cache, slot_mapping)
 
-    def _plan(self, meta: AttnMetadata, device, dtype):
+    def _plan(self, meta: AttnMetadata, device, dtype, kv_dtype):
         plan = meta.cache.get("torch")
         if plan is not None:
             return plan
@@ -110,7 +114,8 @@ class TorchBackend(AttentionBackend):
             rows = torch.tensor(rows_l, device=device)
             lens_l = [meta.kv_lens[i] - meta.query_lens[i] + j + 1 for i in short for j in range(meta.query_lens[i])]
             lens_t = torch.tensor(lens_l, dtype=torch.int32, device=device)
-        if dec and self._c is not None and device.type == "cpu" and dtype == torch.float32:
+        if dec and self._c is not None and device.type == "cpu" and dtype == torch.float32 \
+                and kv_dtype in kv_quant.C_KINDS:
             plan["decode_c"] = (rows, not pre, meta.block_tables[dec_t].contiguous(), lens_t)
         elif dec:
             lens = lens_t.long()
@@ -125,18 +130,28 @@ class TorchBackend(AttentionBackend):
         return plan
 
     def forward(self, q, k_cache, v_cache, meta, scale, sliding_window=None, softcap=None):
+        rot = kv_quant.rotation(k_cache)
+        if rot is None:
+            return self._forward(q, k_cache, v_cache, meta, scale, sliding_window, softcap)
+        # a turbo cache is read in its rotated frame (ops/turbo_quant.py): rotate the queries in, the output out
+        rot = rot.to(q.dtype)
+        return self._forward((q @ rot.T).contiguous(), k_cache, v_cache, meta, scale, sliding_window, softcap) @ rot
+
+    def _forward(self, q, k_cache, v_cache, meta, scale, sliding_window, softcap):
         out = torch.empty_like(q)
-        plan = self._plan(meta, q.device, q.dtype)
+        plan = self._plan(meta, q.device, q.dtype, k_cache.dtype)
         nb, bs, hkv, d = k_cache.shape
-        kflat, vflat = k_cache.view(nb * bs, hkv, d), v_cache.view(nb * bs, hkv, d)
         starts = meta.query_starts
         if plan["decode_c"] is not None:
             rows, every_row, tables, lens = plan["decode_c"]
             qd = (q if every_row else q[rows]).contiguous()
             od = torch.empty_like(qd)
-            self._c.xinfer_paged_decode(qd.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-                                        tables.shape[1], lens.data_ptr(), od.data_ptr(), qd.shape[0], qd.shape[1],
-                                        hkv, d, bs, scale, sliding_window or 0, softcap or 0.0)
+            ks, vs = kv_quant.scales(k_cache), kv_quant.scales(v_cache)
+            self._c.xinfer_paged_decode(qd.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                        None if ks is None else ks.data_ptr(), None if vs is None else vs.data_ptr(),
+                                        kv_quant.C_KINDS[k_cache.dtype], tables.data_ptr(), tables.shape[1],
+                                        lens.data_ptr(), od.data_ptr(), qd.shape[0], qd.shape[1], hkv, d, bs, scale,
+                                        sliding_window or 0, softcap or 0.0)
             if every_row:
                 return od
             out[rows] = od
@@ -146,8 +161,8 @@ class TorchBackend(AttentionBackend):
             if sliding_window:
                 mask = mask & (pos[None, :] > qpos[:, None] - sliding_window)
             qd = q[rows].unsqueeze(2)  # [Bd, Hq, 1, D]
-            kd = kflat[slots].transpose(1, 2).to(q.dtype)  # [Bd, Hkv, L, D]
-            vd = vflat[slots].transpose(1, 2).to(q.dtype)
+            kd = kv_quant.gather(k_cache, slots, q.dtype).transpose(1, 2)  # [Bd, Hkv, L, D]
+            vd = kv_quant.gather(v_cache, slots, q.dtype).transpose(1, 2)
             out[rows] = _sdpa(qd, kd, vd, mask[:, None, None, :], scale, softcap).squeeze(2)
         for i in plan["prefill"]:
             ql, kl = meta.query_lens[i], meta.kv_lens[i]
@@ -161,8 +176,8 @@ class TorchBackend(AttentionBackend):
             if sliding_window:
                 mask = mask & (kpos[None, :] > qpos[:, None] - sliding_window)
             qs = q[s:s + ql].transpose(0, 1).unsqueeze(0)  # [1, Hq, ql, D]
-            ks = kflat[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
-            vs = vflat[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            ks = kv_quant.gather(k_cache, slots, q.dtype).transpose(0, 1).unsqueeze(0)
+            vs = kv_quant.gather(v_cache, slots, q.dtype).transpose(0, 1).unsqueeze(0)
             # a whole prompt at once is plain causal: the kernel then skips the masked half
             causal = ql == kl and not sliding_window and softcap is None
             out[s:s + ql] = _sdpa(qs, ks, vs, None if causal else mask[None, None], scale, softcap)[0].transpose(0, 1)

@@ -11,6 +11,7 @@ import ctypes
 
 import torch
 
+from ops import kv_quant
 from ops.cpu_kernels import lib
 from ops.quant import QuantWeight
 from xinfer import envs
@@ -25,8 +26,9 @@ class _Linear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("ln_in", _P), ("ln_post", _P), ("q_norm", _P), ("k_norm", _P), ("qkv", _Linear), ("o", _Linear),
-                ("gate_up", _Linear), ("down", _Linear), ("k_cache", _P), ("v_cache", _P), ("cos", _P), ("sin", _P),
-                ("rot", _I), ("window", _I), ("scale", _F), ("softcap", _F)]
+                ("gate_up", _Linear), ("down", _Linear), ("k_cache", _P), ("v_cache", _P), ("k_scale", _P),
+                ("v_scale", _P), ("cos", _P), ("sin", _P), ("rot", _I), ("window", _I), ("kv_kind", _I),
+                ("scale", _F), ("softcap", _F)]
 
 
 class _Model(ctypes.Structure):
@@ -45,8 +47,9 @@ def _linear(w: QuantWeight, bias: torch.Tensor | None) -> _Linear:
 
 class CpuDecoder:
     """`layers`: one dict a layer with ln_in, ln_post, q_norm, k_norm (or None) weights; qkv, o, gate_up,
-    down as (QuantWeight, bias or None); k_cache, v_cache; cos, sin, rot; window (0: none), scale,
-    softcap (0: none). Every tensor is float32, contiguous and on the CPU, and is kept alive here."""
+    down as (QuantWeight, bias or None); k_cache, v_cache (in any format of kv_quant.C_KINDS); cos, sin,
+    rot; window (0: none), scale, softcap (0: none). Every other tensor is float32, contiguous and on the
+    CPU, and is kept alive here."""
 
     def __init__(self, layers: list[dict], final_norm: torch.Tensor, num_heads: int, num_kv_heads: int,
                  head_dim: int, eps: float, offset: float):
@@ -55,8 +58,9 @@ class CpuDecoder:
         for i, ly in enumerate(layers):
             arr[i] = _Layer(_ptr(ly["ln_in"]), _ptr(ly["ln_post"]), _ptr(ly["q_norm"]), _ptr(ly["k_norm"]),
                             _linear(*ly["qkv"]), _linear(*ly["o"]), _linear(*ly["gate_up"]), _linear(*ly["down"]),
-                            _ptr(ly["k_cache"]), _ptr(ly["v_cache"]), _ptr(ly["cos"]), _ptr(ly["sin"]), ly["rot"],
-                            ly["window"], ly["scale"], ly["softcap"])
+                            _ptr(ly["k_cache"]), _ptr(ly["v_cache"]), _ptr(kv_quant.scales(ly["k_cache"])),
+                            _ptr(kv_quant.scales(ly["v_cache"])), _ptr(ly["cos"]), _ptr(ly["sin"]), ly["rot"],
+                            ly["window"], kv_quant.C_KINDS[ly["k_cache"].dtype], ly["scale"], ly["softcap"])
         self._layers = arr  # _Model points at it
         self.caches = [(ly["k_cache"], ly["v_cache"]) for ly in layers]
         self._model = _Model(len(layers), final_norm.shape[0], num_heads, num_kv_heads, head_dim,

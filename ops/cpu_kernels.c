@@ -249,28 +249,133 @@ void xinfer_q8_mm(const int8_t *qs, const float *d, const float *x, float *y, in
     mm_team(&w, x, y, M);
 }
 
+// A KV cache as attention reads it: [blocks, bs, Hkv, D] values of one kind (ops/kv_quant.py) and,
+// for fp8, a float32 scale per token and head ([blocks, bs, Hkv]).
+enum { KV_F32, KV_E4M3, KV_E5M2, KV_BF16, KV_F16 };
+typedef struct {
+    void *data;
+    float *scale;  // fp8 only
+    int kind;
+} xq_kv;
+
+// e5m2 is the top byte of a float16; e4m3's bits, moved into float16's, read 2^8 too small (for
+// normals and subnormals alike), which the row's scale makes up (kv_scale). F16C converts 8 at a time.
+static inline uint16_t fp8_half(uint8_t b, int e4m3) {
+    return e4m3 ? (uint16_t)(((b & 0x7F) << 7) | ((b & 0x80) << 8)) : (uint16_t)(b << 8);
+}
+
+// Row r (= slot * Hkv + head) as D float32 values, without its scale: the cache itself (float32) or buf.
+static inline const float *kv_row(const xq_kv *c, size_t r, int D, float *buf) {
+    int i = 0;
+    if (c->kind == KV_F32) return (const float *)c->data + r * D;
+    if (c->kind == KV_E4M3 || c->kind == KV_E5M2) {
+        const uint8_t *p = (const uint8_t *)c->data + r * D;
+        const int e4m3 = c->kind == KV_E4M3;
+        const __m128i lo7 = _mm_set1_epi16(0x7F), sign = _mm_set1_epi16(0x80);
+        for (; i + 8 <= D; i += 8) {
+            __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(p + i)));
+            w = e4m3 ? _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, lo7), 7),
+                                    _mm_slli_epi16(_mm_and_si128(w, sign), 8))
+                     : _mm_slli_epi16(w, 8);
+            _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(w));
+        }
+        for (; i < D; i++) buf[i] = _cvtsh_ss(fp8_half(p[i], e4m3));
+    } else if (c->kind == KV_F16) {
+        const uint16_t *p = (const uint16_t *)c->data + r * D;
+        for (; i + 8 <= D; i += 8)
+            _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + i))));
+        for (; i < D; i++) buf[i] = _cvtsh_ss(p[i]);
+    } else {  // bfloat16: the top half of a float32
+        const uint16_t *p = (const uint16_t *)c->data + r * D;
+        for (; i < D; i++) {
+            const uint32_t u = (uint32_t)p[i] << 16;
+            memcpy(buf + i, &u, 4);
+        }
+    }
+    return buf;
+}
+
+static inline float kv_scale(const xq_kv *c, size_t r) {
+    return c->kind == KV_E4M3 ? c->scale[r] * 256.f : c->kind == KV_E5M2 ? c->scale[r] : 1.f;
+}
+
+// x (within fp8's finite range) rounded to nearest-even on fp8's grid, as torch converts: adding and
+// taking away 1.5 * 2^23 times the grid step at x's exponent (fixed below the smallest normal) rounds
+// in float32 (no contraction: -ffp-contract=off).
+static inline float fp8_round(float x, int e4m3) {
+    const int emin = e4m3 ? -6 : -14, mbits = e4m3 ? 3 : 2, e = ilogbf(x);
+    const float big = ldexpf(1.5f, (e < emin ? emin : e) - mbits + 23);
+    return copysignf((x + big) - big, x);  // what rounds to zero keeps its sign, as torch's does
+}
+
+// One token's Hkv head vectors x (D floats each) into cache row r0 = slot * Hkv onwards, as
+// ops/kv_quant.py writes them: fp8 with a scale per head (max |x| / the format's max), else a cast.
+static void kv_write(const xq_kv *c, size_t r0, const float *x, int Hkv, int D) {
+    if (c->kind == KV_F32) {
+        memcpy((float *)c->data + r0 * D, x, sizeof(float) * (size_t)Hkv * D);
+        return;
+    }
+    for (int h = 0; h < Hkv; h++) {
+        const float *xh = x + (size_t)h * D;
+        const size_t r = r0 + h;
+        if (c->kind == KV_E4M3 || c->kind == KV_E5M2) {
+            const int e4m3 = c->kind == KV_E4M3;
+            const float fmax = e4m3 ? 448.f : 57344.f;
+            float amax = 0.f;
+            for (int i = 0; i < D; i++) amax = fmaxf(amax, fabsf(xh[i]));
+            const float sc = amax > 0.f ? amax / fmax : 1.f;
+            c->scale[r] = sc;
+            uint8_t *p = (uint8_t *)c->data + r * D;
+            for (int i = 0; i < D; i++) {
+                // on the grid, x / 2^8 (e4m3) is exact in float16, whose bits give the byte (kv_row)
+                const float v = fp8_round(fminf(fmaxf(xh[i] / sc, -fmax), fmax), e4m3);
+                const uint16_t hb = _cvtss_sh(e4m3 ? v * 0x1p-8f : v, 0);
+                p[i] = e4m3 ? (uint8_t)(((hb >> 7) & 0x7F) | ((hb >> 8) & 0x80)) : (uint8_t)(hb >> 8);
+            }
+        } else if (c->kind == KV_F16) {
+            uint16_t *p = (uint16_t *)c->data + r * D;
+            for (int i = 0; i < D; i++) p[i] = _cvtss_sh(xh[i], 0);
+        } else {  // bfloat16, rounded to nearest-even as torch casts
+            uint16_t *p = (uint16_t *)c->data + r * D;
+            for (int i = 0; i < D; i++) {
+                uint32_t u;
+                memcpy(&u, xh + i, 4);
+                p[i] = (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+            }
+        }
+    }
+}
+
+// T tokens' K or V x [T, Hkv, D] into the cache at slots [T] (the write the decode step does; tests).
+void xinfer_kv_store(void *data, float *scale, int kind, const int64_t *slots, const float *x, int T, int Hkv,
+                     int D) {
+    const xq_kv c = {data, scale, kind};
+    for (int t = 0; t < T; t++) kv_write(&c, (size_t)slots[t] * Hkv, x + (size_t)t * Hkv * D, Hkv, D);
+}
+
 // Decode attention straight from the paged KV cache (no gather): one query row per sequence.
 // Query heads g0..g1-1 of KV head h (of G = Hq / Hkv in its group) for one sequence: they share
 // each K/V read. q: the sequence's query row (heads packed, D apart); tab: its block table; L: its KV
 // length, the new token included; s: scratch of (g1 - g0) * L floats. window > 0: only the last
 // `window` positions; softcap > 0: scores = softcap * tanh(scores / softcap).
-static void attend_group(const float *q, const float *kc, const float *vc, const int32_t *tab, int L, int h,
+static void attend_group(const float *q, const xq_kv *kc, const xq_kv *vc, const int32_t *tab, int L, int h,
                          int g0, int g1, int G, int Hkv, int D, int bs, float scale, int window, float softcap,
                          float *s, float *out) {
     const int start = (window > 0 && L > window) ? L - window : 0;
     const int n = L - start, ng = g1 - g0;
     const float *qh = q + (size_t)(h * G + g0) * D;
     float *o = out + (size_t)(h * G + g0) * D;
-    float mx[ng];
+    float mx[ng], buf[D];
     for (int g = 0; g < ng; g++) mx[g] = -INFINITY;
     for (int t = start; t < L; t++) {
-        const float *k = kc + (((size_t)tab[t / bs] * bs + t % bs) * Hkv + h) * D;
+        const size_t r = ((size_t)tab[t / bs] * bs + t % bs) * Hkv + h;
+        const float *k = kv_row(kc, r, D, buf), ks = scale * kv_scale(kc, r);
         for (int g = 0; g < ng; g++) {
             const float *qg = qh + (size_t)g * D;
             float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
             for (int i = 0; i < D; i++) acc += qg[i] * k[i];
-            acc *= scale;
+            acc *= ks;
             if (softcap > 0.f) acc = softcap * tanhf(acc / softcap);
             s[(size_t)g * n + (t - start)] = acc;
             if (acc > mx[g]) mx[g] = acc;
@@ -287,9 +392,10 @@ static void attend_group(const float *q, const float *kc, const float *vc, const
         for (int i = 0; i < D; i++) o[(size_t)g * D + i] = 0.f;
     }
     for (int t = start; t < L; t++) {
-        const float *v = vc + (((size_t)tab[t / bs] * bs + t % bs) * Hkv + h) * D;
+        const size_t r = ((size_t)tab[t / bs] * bs + t % bs) * Hkv + h;
+        const float *v = kv_row(vc, r, D, buf), vs = kv_scale(vc, r);
         for (int g = 0; g < ng; g++) {
-            const float p = s[(size_t)g * n + (t - start)];
+            const float p = s[(size_t)g * n + (t - start)] * vs;
             float *og = o + (size_t)g * D;
 #pragma omp simd
             for (int i = 0; i < D; i++) og[i] += p * v[i];
@@ -300,7 +406,7 @@ static void attend_group(const float *q, const float *kc, const float *vc, const
 // Every sequence's attention, shared out over the threads of the enclosing parallel region: by
 // (sequence, KV head) when there are enough of those to go round, else by query head. q rows
 // q_stride apart, out [B, Hq, D]; s: this thread's scratch of G * max(lens) floats.
-static void attend_team(const float *q, int64_t q_stride, const float *kc, const float *vc, const int32_t *tables,
+static void attend_team(const float *q, int64_t q_stride, const xq_kv *kc, const xq_kv *vc, const int32_t *tables,
                         int table_stride, const int32_t *lens, float *out, int B, int Hq, int Hkv, int D, int bs,
                         float scale, int window, float softcap, float *s) {
     const int G = Hq / Hkv, per = B * Hkv >= 2 * omp_get_num_threads() ? G : 1;
@@ -320,16 +426,17 @@ static int max_len(const int32_t *lens, int B) {
     return m;
 }
 
-// q [B, Hq, D] contiguous, caches [blocks, bs, Hkv, D], tables [B, table_stride] int32, lens [B]
-// int32, out [B, Hq, D].
-void xinfer_paged_decode(const float *q, const float *kc, const float *vc, const int32_t *tables, int table_stride,
-                         const int32_t *lens, float *out, int B, int Hq, int Hkv, int D, int bs, float scale,
-                         int window, float softcap) {
+// q [B, Hq, D] contiguous, caches [blocks, bs, Hkv, D] of `kind` (fp8: with their scales, else NULL),
+// tables [B, table_stride] int32, lens [B] int32, out [B, Hq, D].
+void xinfer_paged_decode(const float *q, void *kc, void *vc, float *k_scale, float *v_scale,
+                         int kind, const int32_t *tables, int table_stride, const int32_t *lens, float *out, int B,
+                         int Hq, int Hkv, int D, int bs, float scale, int window, float softcap) {
     const size_t scratch = (size_t)(Hq / Hkv) * max_len(lens, B);
+    const xq_kv k = {kc, k_scale, kind}, v = {vc, v_scale, kind};
 #pragma omp parallel
     {
         float *s = malloc(sizeof(float) * scratch);
-        attend_team(q, (int64_t)Hq * D, kc, vc, tables, table_stride, lens, out, B, Hq, Hkv, D, bs, scale, window,
+        attend_team(q, (int64_t)Hq * D, &k, &v, tables, table_stride, lens, out, B, Hq, Hkv, D, bs, scale, window,
                     softcap, s);
         free(s);
     }
@@ -390,9 +497,10 @@ void xinfer_rope(float *q, float *k, const float *cos, const float *sin, const i
 typedef struct {
     const float *ln_in, *ln_post, *q_norm, *k_norm;  // q_norm / k_norm: NULL where the model has none
     xq_linear qkv, o, gate_up, down;
-    float *k_cache, *v_cache;  // [blocks, bs, Hkv, D]
+    void *k_cache, *v_cache;  // [blocks, bs, Hkv, D] of kv_kind (xq_kv)
+    float *k_scale, *v_scale;  // fp8: [blocks, bs, Hkv]; else NULL
     const float *cos, *sin;    // [positions, rot / 2]
-    int rot, window;
+    int rot, window, kv_kind;
     float scale, softcap;
 } xq_layer;
 
@@ -424,6 +532,7 @@ void xinfer_decode(const xq_model *m, const float *x, float *out, int B, const i
         float *s = malloc(sizeof(float) * scratch);
         for (int l = 0; l < m->n_layers; l++) {
             const xq_layer *L = &m->layers[l];
+            const xq_kv kc = {L->k_cache, L->k_scale, L->kv_kind}, vc = {L->v_cache, L->v_scale, L->kv_kind};
 #pragma omp single
             for (int b = 0; b < B; b++)  // the first layer's residual is its input
                 add_rmsnorm_row(y + (size_t)b * H, l ? res + (size_t)b * H : NULL, L->ln_in, h + (size_t)b * H, H,
@@ -440,11 +549,11 @@ void xinfer_decode(const xq_model *m, const float *x, float *out, int B, const i
                 }
                 rope_rows(qb, QKV, Hq, D, L->rot, L->cos, L->sin, pos + b, 1);
                 rope_rows(kb, QKV, Hkv, D, L->rot, L->cos, L->sin, pos + b, 1);
-                memcpy(L->k_cache + (size_t)slots[b] * Hkv * D, kb, sizeof(float) * (size_t)Hkv * D);
-                memcpy(L->v_cache + (size_t)slots[b] * Hkv * D, vb, sizeof(float) * (size_t)Hkv * D);
+                kv_write(&kc, (size_t)slots[b] * Hkv, kb, Hkv, D);
+                kv_write(&vc, (size_t)slots[b] * Hkv, vb, Hkv, D);
             }
-            attend_team(qkv, QKV, L->k_cache, L->v_cache, tables, table_stride, lens, att, B, Hq, Hkv, D, m->bs,
-                        L->scale, L->window, L->softcap, s);
+            attend_team(qkv, QKV, &kc, &vc, tables, table_stride, lens, att, B, Hq, Hkv, D, m->bs, L->scale,
+                        L->window, L->softcap, s);
             mm_team(&L->o, att, y, B);
 #pragma omp single
             for (int b = 0; b < B; b++)

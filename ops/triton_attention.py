@@ -2,7 +2,9 @@
 
 Cache layout, per layer: ``k_cache`` / ``v_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 KV position ``p`` of sequence ``b`` lives at block ``block_tables[b, p // block_size]``, offset
-``p % block_size``.
+``p % block_size``.  A cache may be fp8 (ops/kv_quant.py): ``store_kv`` then quantizes each head vector with its
+own scale, stored in the cache's ``kv_scale`` tensor, and attention applies the scales to the scores (K) and
+to the probabilities (V), so no dequantized copy of a tile is made.
 
 ``paged_attention`` runs one unified kernel over a flat, mixed batch (decodes and chunked prefills):
 
@@ -47,15 +49,29 @@ def _interpreter_needs_fp32_dot(dtype: torch.dtype) -> bool:
 
 
 @triton.jit
+def _fp8_round(x, EMIN: tl.constexpr, MBITS: tl.constexpr):
+    """x (fp32, within fp8's range) rounded to nearest-even on fp8's grid, so the cast after it is exact
+    (the interpreter's own rounding carries wrongly into the exponent): adding and taking away 1.5 * 2^23
+    grid steps at x's exponent (fixed below the smallest normal, EMIN) rounds in fp32."""
+    e = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    big = (((tl.maximum(e, EMIN) - MBITS + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    r = (x + big) - big
+    return tl.where(r == 0.0, x * 0.0, r)  # what rounds to zero keeps its sign
+
+
+@triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+    k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr,
     num_kv_heads,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
+    stride_sb, stride_ss, stride_sh,
     HEAD_DIM: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    FP8_MAX: tl.constexpr, FP8_EMIN: tl.constexpr, FP8_MBITS: tl.constexpr,
 ):
+    """FP8_MAX > 0: fp8 caches, each head vector scaled by its own max |value| / FP8_MAX (ops/kv_quant.py)."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -66,12 +82,38 @@ def _store_kv_kernel(
     offs_d = tl.arange(0, D_PAD)
     mask = (offs_h[:, None] < num_kv_heads) & (offs_d[None, :] < HEAD_DIM)
 
-    k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd, mask=mask)
-    v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd, mask=mask)
+    k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd, mask=mask,
+                other=0.0)
+    v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd, mask=mask,
+                other=0.0)
     kc = kc_ptr + blk * stride_kcb + off * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :] * stride_kcd
     vc = vc_ptr + blk * stride_vcb + off * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :] * stride_vcd
+    if FP8_MAX > 0:
+        h_mask = offs_h < num_kv_heads
+        s_off = blk * stride_sb + off * stride_ss + offs_h * stride_sh
+        k_amax = tl.max(tl.abs(k.to(tl.float32)), 1)
+        v_amax = tl.max(tl.abs(v.to(tl.float32)), 1)
+        k_scale = tl.where(k_amax > 0, k_amax / FP8_MAX, 1.0)
+        v_scale = tl.where(v_amax > 0, v_amax / FP8_MAX, 1.0)
+        k = _fp8_round(tl.minimum(tl.maximum(k.to(tl.float32) / k_scale[:, None], -FP8_MAX), FP8_MAX),
+                       FP8_EMIN, FP8_MBITS)
+        v = _fp8_round(tl.minimum(tl.maximum(v.to(tl.float32) / v_scale[:, None], -FP8_MAX), FP8_MAX),
+                       FP8_EMIN, FP8_MBITS)
+        tl.store(ks_ptr + s_off, k_scale, mask=h_mask)
+        tl.store(vs_ptr + s_off, v_scale, mask=h_mask)
     tl.store(kc, k.to(kc_ptr.dtype.element_ty), mask=mask)
     tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+def _scales(k_cache, v_cache):
+    """The fp8 caches' scale tensors (ops/kv_quant.py); the caches themselves stand in where there are none."""
+    ks, vs = getattr(k_cache, "kv_scale", None), getattr(v_cache, "kv_scale", None)
+    return (k_cache, v_cache) if ks is None else (ks, vs)
+
+
+def _scale_strides(k_cache):
+    ks = getattr(k_cache, "kv_scale", None)
+    return (0, 0, 0) if ks is None else ks.stride()
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -91,12 +133,15 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if num_tokens == 0:
         return
     block_size = k_cache.shape[1]
+    ks, vs = _scales(k_cache, v_cache)
+    e4m3 = k_cache.dtype == torch.float8_e4m3fn
     _store_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, ks, vs, slot_mapping,
         num_kv_heads,
-        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
+        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(), *_scale_strides(k_cache),
         HEAD_DIM=head_dim, H_PAD=triton.next_power_of_2(num_kv_heads), D_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=block_size,
+        BLOCK_SIZE=block_size, FP8_MAX=torch.finfo(k_cache.dtype).max if ks is not k_cache else 0.0,
+        FP8_EMIN=-6 if e4m3 else -14, FP8_MBITS=3 if e4m3 else 2,
         num_warps=1 if num_kv_heads * head_dim <= 1024 else 4,
     )
 
@@ -132,18 +177,20 @@ def _tanh(x):
 def _attn_tiles(
     acc, l_i, m_i,
     q, q_pos,
-    k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, seq_len, window,
+    k_cache_ptr, v_cache_ptr, ks_ptr, vs_ptr, bt_row_ptr, kvh, seq_len, window,
     scale, softcap,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_sb, stride_ss, stride_sh,
     offs_d, d_mask,
     tile_start, tile_end,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAD_D: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, MASKED: tl.constexpr, FP32: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, SCALED: tl.constexpr,
 ):
     """Online-softmax over KV tiles [tile_start, tile_end).  MASKED=False: every position of every tile is inside
-    the causal/window range of every row and below seq_len, so no score mask and no position bounds on loads."""
+    the causal/window range of every row and below seq_len, so no score mask and no position bounds on loads.
+    SCALED: fp8 caches; a position's K scale multiplies its scores, its V scale its probabilities."""
     offs_n = tl.arange(0, BLOCK_N)
     for t in range(tile_start, tile_end):
         kv_pos = t * BLOCK_N + offs_n
@@ -166,6 +213,14 @@ def _attn_tiles(
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
+        if SCALED:
+            s_ptrs = blk * stride_sb + off * stride_ss + kvh * stride_sh
+            if MASKED:
+                k_scale = tl.load(ks_ptr + s_ptrs, mask=n_valid, other=0.0)
+                v_scale = tl.load(vs_ptr + s_ptrs, mask=n_valid, other=0.0)
+            else:
+                k_scale = tl.load(ks_ptr + s_ptrs)
+                v_scale = tl.load(vs_ptr + s_ptrs)
 
         if FP32:
             s = tl.dot(q, k.to(q.dtype), input_precision="ieee")
@@ -174,6 +229,8 @@ def _attn_tiles(
         else:
             s = tl.dot(q, k.to(q.dtype))
         s = s * scale
+        if SCALED:
+            s = s * k_scale[None, :]
         if USE_SOFTCAP:
             s = softcap * _tanh(s / softcap)
         s = s * 1.4426950408889634  # log2(e): softmax in the exp2 domain
@@ -189,6 +246,8 @@ def _attn_tiles(
         p = tl.exp2(s - m_ref[:, None])
         alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if SCALED:
+            p = p * v_scale[None, :]
         if FP32:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         elif UPCAST_DOT:
@@ -202,7 +261,7 @@ def _attn_tiles(
 
 @triton.jit
 def _paged_attn_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, ks_ptr, vs_ptr, out_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,
     cu_q_ptr, seq_lens_ptr, bt_ptr,
     scale, softcap, window,
@@ -210,12 +269,13 @@ def _paged_attn_kernel(
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_sb, stride_ss, stride_sh,
     stride_ot, stride_oh, stride_od,
     stride_bt,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, FP32: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, PAD_D: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, PAD_D: tl.constexpr, SCALED: tl.constexpr,
 ):
     tile_id = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -272,20 +332,23 @@ def _paged_attn_kernel(
     bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_bt
 
     acc, l_i, m_i = _attn_tiles(
-        acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, seq_len, window, scale, softcap,
-        stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+        acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, ks_ptr, vs_ptr, bt_row_ptr, kvh, seq_len, window, scale,
+        softcap, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+        stride_sb, stride_ss, stride_sh,
         offs_d, d_mask, seg_lo, tl.minimum(seg_hi, full_lo),
-        BLOCK_N, BLOCK_SIZE, PAD_D, USE_WINDOW, USE_SOFTCAP, True, FP32, UPCAST_DOT)
+        BLOCK_N, BLOCK_SIZE, PAD_D, USE_WINDOW, USE_SOFTCAP, True, FP32, UPCAST_DOT, SCALED)
     acc, l_i, m_i = _attn_tiles(
-        acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, seq_len, window, scale, softcap,
-        stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+        acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, ks_ptr, vs_ptr, bt_row_ptr, kvh, seq_len, window, scale,
+        softcap, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+        stride_sb, stride_ss, stride_sh,
         offs_d, d_mask, tl.maximum(seg_lo, full_lo), tl.minimum(seg_hi, full_hi),
-        BLOCK_N, BLOCK_SIZE, PAD_D, USE_WINDOW, USE_SOFTCAP, False, FP32, UPCAST_DOT)
+        BLOCK_N, BLOCK_SIZE, PAD_D, USE_WINDOW, USE_SOFTCAP, False, FP32, UPCAST_DOT, SCALED)
     acc, l_i, m_i = _attn_tiles(
-        acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, seq_len, window, scale, softcap,
-        stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+        acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, ks_ptr, vs_ptr, bt_row_ptr, kvh, seq_len, window, scale,
+        softcap, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+        stride_sb, stride_ss, stride_sh,
         offs_d, d_mask, tl.maximum(seg_lo, full_hi), seg_hi,
-        BLOCK_N, BLOCK_SIZE, PAD_D, USE_WINDOW, USE_SOFTCAP, True, FP32, UPCAST_DOT)
+        BLOCK_N, BLOCK_SIZE, PAD_D, USE_WINDOW, USE_SOFTCAP, True, FP32, UPCAST_DOT, SCALED)
 
     if NUM_SEGMENTS > 1:
         # Partials [T, Hq, S] (+ [D_PAD]) in fp32; the reduce kernel merges the segments.
@@ -393,20 +456,21 @@ def _paged_attention_impl(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tab
         num_stages = 3 if d_pad <= 128 else 2
     else:
         num_warps, num_stages = 4, 1
+    ks, vs = _scales(k_cache, v_cache)
     _paged_attn_kernel[(num_tiles, num_kv_heads, num_segments)](
-        q, k_cache, v_cache, out,
+        q, k_cache, v_cache, ks, vs, out,
         part_m, part_l, part_acc,
         cu_seqlens_q, seq_lens, block_tables,
         float(scale), float(softcap) if softcap is not None else 1.0,
         int(sliding_window) if sliding_window is not None else 0,
         num_seqs, num_q_heads,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *_scale_strides(k_cache), *out.stride(),
         block_tables.stride(0),
         HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_SIZE=block_size,
         NUM_SEGMENTS=num_segments, USE_WINDOW=sliding_window is not None, USE_SOFTCAP=softcap is not None,
         FP32=fp32, UPCAST_DOT=not fp32 and _interpreter_needs_fp32_dot(q.dtype),
-        PAD_D=d_pad != head_dim,
+        PAD_D=d_pad != head_dim, SCALED=ks is not k_cache,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_segments > 1:

@@ -19,11 +19,14 @@ from xinfer.parsers.reasoning import REASONING_PARSERS
 from xinfer.process import setup_logging
 
 
+ALIASES = {"model": ["--m"], "kvcache_dtype": ["--kv-cache-dtype"]}  # short, and vLLM's spelling
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field, --like-this; --m is short for --model."""
+    """One flag per EngineConfig field, --like-this, and the ALIASES."""
     for f in dataclasses.fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
-        names = [flag, "--m"] if f.name == "model" else [flag]
+        names = [flag] + ALIASES.get(f.name, [])
         if f.name == "enable_prefix_cache":
             p.add_argument("--disable-prefix-cache", dest="enable_prefix_cache", action="store_false",
                            help="turn off prefix caching (on by default)")

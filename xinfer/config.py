@@ -6,6 +6,8 @@ from dataclasses import dataclass, fields
 QUANTIZATIONS = ("auto", "none", "gguf")
 DTYPES = ("float32", "bfloat16", "float16")
 POOLINGS = ("last", "mean")
+ISQ_FORMATS = ("q8_0", "q4_0", "q4_1")  # xinfer/loader/isq.py FORMATS
+KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2", "turbo8", "turbo4", "turbo3")
 
 
 @dataclass
@@ -18,6 +20,9 @@ class EngineConfig:
     # batches read through ops/cpu_kernels.c (exact weights, a fraction of the bytes); none: float
     # weights only. auto: gguf where it can run (CPU, float32, the kernels build), else none.
     quantization: str = "auto"
+    # In-situ quantization of an HF float checkpoint: every linear's weight also as GGUF blocks in this
+    # format (q8_0, q4_0, q4_1; the head in q8_0) for the CPU kernels, cached on disk (xinfer/loader/isq.py).
+    isq: str | None = None
     # CPU GEMMs of batched decode and prefill: bfloat16 (oneDNN, on BF16 dot-product units) or float32.
     # auto: bfloat16 where the CPU has AVX512_BF16 or AMX and --dtype is auto, else float32; an explicit
     # --dtype float32 keeps every matmul float32 (exact against transformers).
@@ -29,6 +34,11 @@ class EngineConfig:
     prefill_chunk_size: int = 512
     block_size: int = 16
     kv_cache_gb: float = 1.0  # CPU KV cache size
+    # How K/V are stored (ops/kv_quant.py): auto: the model dtype; bf16 / fp16: cast; fp8 (= fp8_e4m3),
+    # fp8_e5m2: one byte a value with a float32 scale per token and head; turbo8/4/3: rotated vectors,
+    # 8/4/3 bits a value and a length (ops/turbo_quant.py, torch backend). The same --kv-cache-gb then
+    # holds proportionally more tokens.
+    kvcache_dtype: str = "auto"
     kv_fraction: float = 0.85  # GPU: share of free memory for the KV cache
     num_kv_blocks: int | None = None  # exact KV cache size in blocks (tests); overrides the two above
     enable_prefix_cache: bool = True
@@ -81,6 +91,9 @@ class EngineConfig:
             raise ValueError(f"--restart-window must be > 0 seconds, got {self.restart_window}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"--quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.kvcache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kvcache-dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kvcache_dtype!r}")
+        self._check_isq()
         if self.pooling not in POOLINGS:
             raise ValueError(f"--pooling must be one of {list(POOLINGS)}, got {self.pooling!r}")
         if self.cpu_matmul not in ("auto", "float32", "bfloat16"):
@@ -98,6 +111,17 @@ class EngineConfig:
         if self.speculative_disable_by_batch_size < 0:
             raise ValueError(f"--speculative-disable-by-batch-size must be >= 0, got {self.speculative_disable_by_batch_size}")
         self.read_chat_template()  # an unreadable file stops the start here, not in a child process
+
+    def _check_isq(self):
+        if self.isq is None:
+            return
+        self.isq = self.isq.lower()
+        if self.isq not in ISQ_FORMATS:
+            why = (" (the CPU kernels read only those block types, and the gguf package, whose bytes ours "
+                   "must equal, has no quantizer for k-quants)" if self.isq in ("q4_k", "q6_k") else "")
+            raise ValueError(f"--isq must be one of {list(ISQ_FORMATS)}, got {self.isq!r}{why}")
+        if self.quantization == "none":
+            raise ValueError("--isq needs --quantization auto or gguf (none keeps float weights only)")
 
     def resolve(self, model_config: dict) -> "EngineConfig":
         """Settle what depends on the machine and the model (device and dtype "auto", the context
@@ -127,13 +151,13 @@ class EngineConfig:
         if self.quantization == "none":
             return
         from ops import cpu_kernels
-        why = ("the model is not a GGUF with quantized weights" if not quantized_gguf
+        why = ("the model is not a GGUF with quantized weights" if not (quantized_gguf or self.isq)
                else "the kernels run on the CPU only" if not self.device.startswith("cpu")
                else f"the kernels compute in float32, not {self.dtype}" if self.dtype != "float32"
                else "the CPU kernels could not be built here (they need a C compiler and AVX-512 or AVX2)"
                if not cpu_kernels.available() else None)
-        if why and self.quantization == "gguf":
-            raise ValueError(f"--quantization gguf: {why}")
+        if why and (self.quantization == "gguf" or self.isq):
+            raise ValueError(f"--{'isq ' + self.isq if self.isq else 'quantization gguf'}: {why}")
         self.quantization = "none" if why else "gguf"
 
     @property

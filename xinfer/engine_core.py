@@ -297,7 +297,7 @@ class EngineCore:
         return Stats(len(s.running), len(s.waiting), self.blocks.usage(), self.num_prompt_tokens,
                      self.num_generation_tokens, self.num_cached_prompt_tokens, s.num_preemptions,
                      self.runner.restarts, [(c, n, t) for c, (n, t) in self.restart_budget.seconds.items()],
-                     s.num_draft_tokens, s.num_accepted_tokens)
+                     s.num_draft_tokens, s.num_accepted_tokens, self.blocks.num_blocks * self.config.block_size)
 
     def close(self) -> None:
         self.grammars.close()

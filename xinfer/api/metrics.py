@@ -69,7 +69,9 @@ class Metrics:
         for name, doc, value in (
                 ("xinfer:num_requests_running", "Sequences in the running batch", s.num_running),
                 ("xinfer:num_requests_waiting", "Sequences waiting to be scheduled", s.num_waiting),
-                ("xinfer:kv_cache_usage_perc", "Share of KV cache blocks in use (0-1)", s.kv_cache_usage)):
+                ("xinfer:kv_cache_usage_perc", "Share of KV cache blocks in use (0-1)", s.kv_cache_usage),
+                ("xinfer:kv_cache_capacity_tokens", "Tokens the KV cache holds (in its --kvcache-dtype)",
+                 s.kv_cache_capacity_tokens)):
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric(m, value)
             yield g

@@ -40,6 +40,7 @@ class Stats(msgspec.Struct, array_like=True, tag="stats"):
     restart_seconds: list[tuple[str, int, float]] = []  # per child: (restarts, seconds they took in all)
     spec_draft_tokens: int = 0  # speculative decoding: drafts verified, and how many were accepted
     spec_accepted_tokens: int = 0
+    kv_cache_capacity_tokens: int = 0  # blocks x block size, in whatever --kvcache-dtype stores
 
 
 class RequestError(msgspec.Struct, array_like=True, tag="err"):

@@ -7,6 +7,7 @@ from pathlib import Path
 from xinfer.errors import ModelLoadError
 from xinfer.loader import hf
 from xinfer.loader.gguf import load_gguf
+from xinfer.loader.quant_config import QuantScheme, detect
 from xinfer.loader.tokenizer import Tokenizer, load_hf_tokenizer
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -21,6 +22,7 @@ class ModelInfo:
     tokenizer: Tokenizer | None
     gguf: object = None
     repo_id: str | None = None  # a model found in the Hugging Face cache: its "org/name"
+    quant: QuantScheme | None = None  # a quantized HF checkpoint's format (dequantized at load)
 
     @property
     def name(self) -> str:
@@ -55,12 +57,13 @@ def _load(model: str | None, load_format: str) -> ModelInfo:
         tok = Tokenizer(g.tokenizer, g.chat_template, g.bos_token_id, eos, add_bos=g.add_bos_token)
         return ModelInfo("gguf", path, g.config, {}, tok, gguf=g)
     cfg = hf.load_config(path)
+    quant = detect(path)  # an unsupported format stops here, named
     gen = hf.load_generation_config(path)
     eos = _as_list(gen.get("eos_token_id")) or _as_list(cfg.get("eos_token_id"))
     # A folder without tokenizer.json still serves token-id prompts (tiny test models, benchmarks).
     tok = load_hf_tokenizer(path, eos) if (Path(path) / "tokenizer.json").is_file() else None
     repo_id = model if not Path(model).expanduser().is_dir() else None  # resolved from the HF cache
-    return ModelInfo("hf", path, cfg, gen, tok, repo_id=repo_id)
+    return ModelInfo("hf", path, cfg, gen, tok, repo_id=repo_id, quant=quant)
 
 
 def _dummy_info(model: str | None) -> ModelInfo:

@@ -9,6 +9,7 @@ import torch
 
 from xinfer.errors import ModelLoadError
 from xinfer.loader import ModelInfo, hf
+from xinfer.loader.dequant import iter_dequantized
 from xinfer.models import model_class
 
 log = logging.getLogger("xinfer.loader")
@@ -26,7 +27,12 @@ def build_model(info: ModelInfo, dtype: torch.dtype, device: torch.device) -> to
     if info.kind == "dummy":
         _random_init(model)
     else:
-        weights = info.gguf.tensors() if info.kind == "gguf" else hf.iter_safetensors(info.path)
+        if info.kind == "gguf":
+            weights = info.gguf.tensors()
+        elif info.quant is not None:
+            weights = iter_dequantized(info.path, info.quant, dtype)
+        else:
+            weights = hf.iter_safetensors(info.path)
         try:
             model.load_weights(_progress(weights, info.path))
         except (KeyError, ValueError) as e:

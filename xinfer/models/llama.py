@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ops import cpu_decode
+from ops import cpu_decode, kv_quant
 from ops.attention import context
 from ops.linear import linear
 from ops.norm import RMSNorm
@@ -140,7 +140,8 @@ class LlamaForCausalLM(nn.Module):
 
     def cpu_decoder(self) -> "cpu_decode.CpuDecoder | None":
         """The one-call C decode step (ops/cpu_decode.py) where every layer fits it: this class's
-        layer with SwiGLU, GGUF blocks on every linear and a float32 KV cache; else None."""
+        layer with SwiGLU, GGUF blocks on every linear and a KV cache the C step reads and writes
+        (float32, fp8, bf16, fp16); else None."""
         layers = self.model.layers
         dec = self._cpu_decoder
         if dec and all(k is ly.self_attn.k_cache for (k, _), ly in zip(dec.caches, layers)):
@@ -164,7 +165,7 @@ class LlamaForCausalLM(nn.Module):
         a, mlp = layer.self_attn, layer.mlp
         if type(layer) is not DecoderLayer or type(a) is not Attention or type(mlp) is not GatedMLP \
                 or mlp.act is not F.silu or a.rotary.interleaved or a.k_cache is None \
-                or a.k_cache.dtype != torch.float32:
+                or a.k_cache.dtype not in kv_quant.C_KINDS:
             return None
         lins = {"qkv": a.qkv_proj, "o": a.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
         if any(lin.blocks is None for lin in lins.values()):

@@ -8,7 +8,7 @@ import logging
 import numpy as np
 import torch
 
-from ops import cpu_isa, cpu_kernels
+from ops import cpu_isa, cpu_kernels, kv_quant
 from ops.attention import get_backend
 from ops.quant import max_rows
 from ops.sampling import sample
@@ -17,6 +17,7 @@ from xinfer import spec
 from xinfer.config import EngineConfig
 from xinfer.ipc.step import StepPlan, StepResult, pack_ids, unpack_ids
 from xinfer.loader import ModelInfo, load_model_info
+from xinfer.loader.isq import apply_isq
 from xinfer.loader.weights import build_model
 from xinfer.models.layers import attach_bf16, attach_blocks
 from xinfer.workers.batch import WorkerSeq, drafted, forward, sampling_batch
@@ -25,18 +26,20 @@ from xinfer.workers.drafter import Drafter
 log = logging.getLogger("xinfer.worker")
 
 
-def kv_bytes_per_token(cfg: dict, dtype: torch.dtype) -> int:
-    size = torch.tensor([], dtype=dtype).element_size()
+def kv_bytes_per_token(cfg: dict, dtype: torch.dtype | str) -> int:
+    """`dtype`: the cache's storage dtype or turbo format (kv_quant.storage_dtype); scales included."""
     if cfg.get("kv_lora_rank"):  # MLA: one latent and rotary key per token stand for both K and V
-        return cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * size
+        return cfg["num_hidden_layers"] * kv_quant.head_bytes(cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"], dtype)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * size
+    return 2 * cfg["num_hidden_layers"] * kv_heads * kv_quant.head_bytes(head_dim, dtype)
 
 
 def num_kv_blocks(config: EngineConfig, cfg: dict, dtype: torch.dtype, device: torch.device,
                   draft_cfg: dict | None = None) -> int:
-    """`draft_cfg`: a draft model's config; its KV lives in the same blocks."""
+    """`dtype`: the model's (--kvcache-dtype may store K/V in another); `draft_cfg`: a draft model's
+    config, whose KV lives in the same blocks."""
+    dtype = kv_quant.storage_dtype(config.kvcache_dtype, dtype)
     per_token = kv_bytes_per_token(cfg, dtype) + (kv_bytes_per_token(draft_cfg, dtype) if draft_cfg else 0)
     per_block = per_token * config.block_size
     if device.type == "cuda":
@@ -82,28 +85,38 @@ class ModelRunner:
         self.seqs: dict[int, WorkerSeq] = {}
 
     def _build(self, info: ModelInfo, cfg: dict):
-        """The model with its fast CPU weights: GGUF blocks (a quantized GGUF, when the target's
-        --quantization settled on gguf) and bfloat16 copies (--cpu-matmul bfloat16)."""
+        """The model with its fast CPU weights: GGUF blocks (a quantized GGUF's own, or --isq's for
+        a float checkpoint, when the target's --quantization settled on gguf) and bfloat16 copies
+        (--cpu-matmul bfloat16)."""
         model = build_model(dataclasses.replace(info, config=cfg), self.dtype, self.device)
         if self.config.quantization == "gguf" and info.kind == "gguf" and info.gguf.quantized:
             n = attach_blocks(model, info.gguf.quantized_blocks(), model.remap)
             log.info("GGUF blocks kept for %d weights (batches of up to %d rows read them)", n,
                      max_rows(self.config.cpu_matmul == "bfloat16"))
+        elif self.config.isq and self.config.quantization == "gguf":
+            if info.kind == "gguf":
+                log.info("--isq %s: %s is a GGUF file, its own tensor types stay", self.config.isq, info.name)
+            else:
+                apply_isq(model, self.config.isq, info.path if info.kind == "hf" else None)
         if self.device.type == "cpu" and self.config.cpu_matmul == "bfloat16":
             attach_bf16(model)
         return model
 
     def _alloc_kv(self, model):
+        dtype = kv_quant.storage_dtype(self.config.kvcache_dtype, self.dtype)
+        kv_quant.check_backend(self.config.kvcache_dtype, dtype, self.dtype, self.backend.name)
         layers = model.attention_layers()
         a = layers[0]
         shape = (self.num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
         for layer in layers:
-            layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.k_cache = kv_quant.alloc(shape, dtype, self.device)
             # kv_shared (MLA): the one cached latent is read as both K and V
-            layer.v_cache = layer.k_cache if getattr(layer, "kv_shared", False) else torch.zeros_like(layer.k_cache)
+            shared = getattr(layer, "kv_shared", False)
+            layer.v_cache = layer.k_cache if shared else kv_quant.alloc(shape, dtype, self.device)
         n = sum(1 if getattr(ly, "kv_shared", False) else 2 for ly in layers)
-        log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
-                 n * np.prod(shape) * layers[0].k_cache.element_size() / (1 << 30))
+        log.info("KV cache: %d blocks of %d tokens, %d tokens in all, %s (%.2f GiB)", self.num_blocks,
+                 self.block_size, self.num_blocks * self.block_size, str(dtype).removeprefix("torch."),
+                 n * np.prod(shape[:-1]) * kv_quant.head_bytes(a.head_dim, dtype) / (1 << 30))
 
     def restart(self) -> None:
         self.seqs.clear()  # in-process: nothing died; the recompute refills the batch
