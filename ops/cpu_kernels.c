@@ -25,19 +25,29 @@
 
 static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
 
+// One 32-weight block rebuilt as the GGUF reference does it: weights 0-15 in w0, 16-31 in w1.
+static inline void q4_block(const uint8_t *q, float d, float m, __m512 *w0, __m512 *w1) {
+    const __m128i low = _mm_set1_epi8(0x0F), raw = _mm_loadu_si128((const __m128i *)q);
+    const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
+    *w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low))), dv, mv);
+    *w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low))), dv, mv);
+}
+
+static inline void q8_block(const int8_t *q, float d, __m512 *w0, __m512 *w1) {
+    const __m512 dv = _mm512_set1_ps(d);
+    *w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), dv);
+    *w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))), dv);
+}
+
 static inline void q4_rows(const uint8_t *qs, const float *d, const float *mn, const float *x, float *y,
                            int rows, int n, int K, int ldy) {
     const int nb = K / 32;
-    const __m128i low = _mm_set1_epi8(0x0F);
     __m512 acc[MR];
     for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
     const uint8_t *q = qs + (size_t)n * nb * 16;
     for (int b = 0; b < nb; b++) {
-        __m128i raw = _mm_loadu_si128((const __m128i *)(q + b * 16));
-        __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low)));
-        __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low)));
-        __m512 dv = _mm512_set1_ps(d[(size_t)n * nb + b]), mv = _mm512_set1_ps(mn[(size_t)n * nb + b]);
-        __m512 w0 = _mm512_fmadd_ps(lo, dv, mv), w1 = _mm512_fmadd_ps(hi, dv, mv);
+        __m512 w0, w1;
+        q4_block(q + b * 16, d[(size_t)n * nb + b], mn[(size_t)n * nb + b], &w0, &w1);
         for (int r = 0; r < rows; r++) {
             const float *xr = x + (size_t)r * K + b * 32;
             acc[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r]);
@@ -54,9 +64,8 @@ static inline void q8_rows(const int8_t *qs, const float *d, const float *x, flo
     for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
     const int8_t *q = qs + (size_t)n * K;
     for (int b = 0; b < nb; b++) {
-        __m512 dv = _mm512_set1_ps(d[(size_t)n * nb + b]);
-        __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + b * 32)))), dv);
-        __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + b * 32 + 16)))), dv);
+        __m512 w0, w1;
+        q8_block(q + b * 32, d[(size_t)n * nb + b], &w0, &w1);
         for (int r = 0; r < rows; r++) {
             const float *xr = x + (size_t)r * K + b * 32;
             acc[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r]);
@@ -83,16 +92,13 @@ static inline void to_bf16(const float *x, uint16_t *xb, int n) {  // n a multip
 static inline __attribute__((always_inline)) void q4_rows_bf16(const uint8_t *qs, const float *d, const float *mn, const uint16_t *xb, float *y,
                                 int rows, int n, int K, int ldy) {
     const int nb = K / 32;
-    const __m128i low = _mm_set1_epi8(0x0F);
     __m512 acc[MRB];
     for (int r = 0; r < MRB; r++) acc[r] = _mm512_setzero_ps();
     const uint8_t *q = qs + (size_t)n * nb * 16;
     for (int b = 0; b < nb; b++) {
-        __m128i raw = _mm_loadu_si128((const __m128i *)(q + b * 16));
-        __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low)));
-        __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low)));
-        __m512 dv = _mm512_set1_ps(d[(size_t)n * nb + b]), mv = _mm512_set1_ps(mn[(size_t)n * nb + b]);
-        __m512bh w = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, dv, mv), _mm512_fmadd_ps(lo, dv, mv));
+        __m512 w0, w1;
+        q4_block(q + b * 16, d[(size_t)n * nb + b], mn[(size_t)n * nb + b], &w0, &w1);
+        __m512bh w = _mm512_cvtne2ps_pbh(w1, w0);
         for (int r = 0; r < rows; r++)
             acc[r] = _mm512_dpbf16_ps(acc[r], w, (__m512bh)_mm512_loadu_si512(xb + (size_t)r * K + b * 32));
     }
@@ -106,9 +112,8 @@ static inline __attribute__((always_inline)) void q8_rows_bf16(const int8_t *qs,
     for (int r = 0; r < MRB; r++) acc[r] = _mm512_setzero_ps();
     const int8_t *q = qs + (size_t)n * K;
     for (int b = 0; b < nb; b++) {
-        __m512 dv = _mm512_set1_ps(d[(size_t)n * nb + b]);
-        __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + b * 32)))), dv);
-        __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + b * 32 + 16)))), dv);
+        __m512 w0, w1;
+        q8_block(q + b * 32, d[(size_t)n * nb + b], &w0, &w1);
         __m512bh w = _mm512_cvtne2ps_pbh(w1, w0);
         for (int r = 0; r < rows; r++)
             acc[r] = _mm512_dpbf16_ps(acc[r], w, (__m512bh)_mm512_loadu_si512(xb + (size_t)r * K + b * 32));
