@@ -112,7 +112,7 @@ def _grid_ties(dtype):
     return torch.cat([torch.full((3, 1), torch.finfo(dtype).max), mid], 1).view(3, 1, 64)
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="the CPU kernels do not build here")
+@pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels do not build here (no C compiler, neither AVX-512 nor AVX2, or XINFER_CPU_KERNELS=0); the torch path, tested above, reads the quantized cache instead")
 @pytest.mark.parametrize("name", ALL)
 def test_c_writes_the_bytes_torch_writes(name):
     """The one-call C decode step quantizes the new token's K/V itself: bit for bit as torch does."""
@@ -223,7 +223,7 @@ def test_torch_and_c_attention_on_quantized_caches(name):
         assert err.max() < TOLERANCE[name][0] and err.mean() < TOLERANCE[name][1], name
 
 
-@pytest.mark.skipif(not has_triton(), reason="no triton")
+@pytest.mark.skipif(not has_triton(), reason="Triton is not installed here (its kernels run on the CPU under TRITON_INTERPRET=1 where it is)")
 @pytest.mark.parametrize("name,dtype", [("fp8_e4m3", torch.float32), ("fp8_e5m2", torch.bfloat16),
                                         ("bf16", torch.float32)])
 def test_triton_store_and_attention_on_quantized_caches(name, dtype):
