@@ -2,7 +2,8 @@
 # One entry point for a fresh machine: creates .venv, installs xinfer and what it needs
 # (CPU torch 2.13.0 from the local disk, never a CUDA build), then runs the command.
 #   scripts/dev.sh serve [xinfer serve flags]   start the server on the bundled model with the web page
-#   scripts/dev.sh test  [pytest flags]         run the test suite
+#   scripts/dev.sh test  [pytest flags]         run the test suite (quick tier, then the slow tier;
+#                                               XINFER_TEST_FAST=1 stops after the quick one)
 #   scripts/dev.sh xinfer ...                   any xinfer command
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +40,12 @@ case "$cmd" in
       { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; } \
         >/dev/null 2>&1 || echo "[setup] could not install chromium; the web page test will be skipped" >&2
     fi
-    exec "$VENV/bin/python" -m pytest -q --durations=12 "$@" ;;
+    # Two tiers so the quick one answers first: everything not marked slow, then the slow tier
+    # (fuzz, the OpenCode agent, long end-to-end runs). Exit code 5 is "no test selected".
+    "$VENV/bin/python" -m pytest -q --durations=12 -m "not slow" "$@" || { rc=$?; [ $rc = 5 ] || exit $rc; }
+    [ "${XINFER_TEST_FAST:-0}" = 1 ] && exit 0
+    echo "[test] slow tier" >&2
+    "$VENV/bin/python" -m pytest -q --durations=8 -m slow "$@" || { rc=$?; [ $rc = 5 ] || exit $rc; } ;;
   xinfer) exec "$VENV/bin/xinfer" "$@" ;;
   *) echo "usage: scripts/dev.sh serve|test|xinfer [args]" >&2; exit 2 ;;
 esac

@@ -10,6 +10,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.fuzz import fuzz
 from tests.conftest import start_server, stop_server
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def base():

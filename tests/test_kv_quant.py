@@ -325,6 +325,7 @@ BUDGETS = {"bf16": (0.0005, 0.985), "fp16": (0.0001, 0.995), "fp8_e4m3": (0.012,
            "turbo8": (0.0015, 0.97), "turbo4": (0.11, 0.86), "turbo3": (0.45, 0.69)}
 
 
+@pytest.mark.slow
 def test_next_token_distributions_within_budget(text_ids):
     ref = _log_probs(text_ids)
     for name, (kld, same) in BUDGETS.items():
@@ -332,6 +333,7 @@ def test_next_token_distributions_within_budget(text_ids):
         assert r["mean_kld"] <= kld and r["same_top"] >= same, (name, r)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["fp8", "turbo4"])
 def test_greedy_unchanged_by_prefix_cache_and_preemption(smollm_path, name):
     """Sequences preempted and recomputed, and blocks reused from the prefix cache, give the same greedy

@@ -25,6 +25,8 @@ import pytest
 
 from tests.conftest import start_server, stop_server
 
+pytestmark = pytest.mark.slow
+
 CACHE = Path.home() / ".cache" / "xinfer-tests" / "opencode"
 RUN_TIMEOUT = 900  # seen: 170 s on a quiet machine, 480 s with other test runs sharing the 2 cores
 MODEL_KEY = "qwen3-coder"

@@ -206,6 +206,7 @@ def test_bad_settings_are_clear_errors(tiny_llama_path, tmp_path, smollm_path):
         EngineConfig(num_speculative_tokens=-1)
 
 
+@pytest.mark.slow
 def test_bundled_model_copy_and_self_draft(smollm_path):
     """The real model asked to repeat a text: n-gram drafts are mostly accepted; with itself as the
     draft model every draft is (same weights, same greedy choice) and the output is unchanged."""
@@ -224,6 +225,7 @@ def test_bundled_model_copy_and_self_draft(smollm_path):
             assert s.num_accepted_tokens > 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not cpu_kernels.has_bf16(), reason="no AVX512_BF16 block kernels in this build (the bf16 "
                     "build test in test_cpu_kernels.py reruns this where the CPU has them)")
 def test_bf16_path_stays_lossless(smollm_path):
