@@ -253,11 +253,13 @@ def _write_gguf(model, arch, path, qtype, nextn=0):
     w.add_eos_token_id(2)
     names = gguf.get_tensor_name_map(GGUF_ARCHS[arch], c.num_hidden_layers + nextn)
     tensors = dict(_gguf_layout(model.state_dict(), c))
-    for i in range(nextn):  # an MTP block: some of a layer's tensors and its own (the loader skips them all)
-        n = c.num_hidden_layers + i
-        tensors[f"model.layers.{n}.eh_proj.weight"] = torch.randn(c.hidden_size, 2 * c.hidden_size)
-        tensors[f"model.layers.{n}.input_layernorm.weight"] = torch.randn(c.hidden_size)
-        tensors[f"model.layers.{n}.mlp.experts.down_proj.weight"] = torch.randn(c.n_routed_experts, c.hidden_size, 32)
+    last = f"model.layers.{c.num_hidden_layers - 1}."
+    for i in range(nextn):  # an MTP depth: a decoder layer (a copy of the last one) and its own tensors
+        n = f"model.layers.{c.num_hidden_layers + i}."
+        tensors.update({k.replace(last, n): t.clone() for k, t in list(tensors.items()) if k.startswith(last)})
+        tensors[n + "eh_proj.weight"] = torch.randn(c.hidden_size, 2 * c.hidden_size) * 0.1
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            tensors[n + norm + ".weight"] = 1 + 0.1 * torch.randn(c.hidden_size)
     quantized = set()
     for name, t in tensors.items():
         gname, data = names.get_name(name, try_suffixes=(".weight", ".bias")), t.numpy()

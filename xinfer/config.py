@@ -55,7 +55,8 @@ class EngineConfig:
     # "last": the last prompt token's; "mean": the mean over every prompt token. L2-normalised.
     pooling: str = "last"
     # Speculative decoding (xinfer/spec.py): up to this many draft tokens a step, verified in one forward;
-    # 0: off. method None: "draft" with a draft model, else "ngram" (prompt lookup).
+    # 0: off. method None: "draft" with a draft model, else "mtp" where the checkpoint has an MTP head
+    # xinfer loads, else "ngram" (prompt lookup).
     num_speculative_tokens: int = 0
     speculative_method: str | None = None
     draft_model: str | None = None  # HF folder or GGUF with the target's tokenizer

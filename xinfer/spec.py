@@ -5,9 +5,8 @@ A step verifies a sequence's k drafts with its last token in one forward of k + 
 and gives back the rejected ones; the n-gram drafts are proposed here, by the scheduler, which
 holds every sequence's tokens; a draft model runs in the worker (xinfer/workers/drafter.py).
 
-MTP heads: no family xinfer loads carries them yet (DeepSeek-V3 `num_nextn_predict_layers`,
-Qwen3.5 / Qwen3-Next `mtp_num_hidden_layers`). Adding them is one proposer in the worker,
-like the Drafter, fed the target's last hidden states; the verification side is shared.
+MTP heads (a checkpoint's own next-token-prediction layers) propose in the worker too
+(xinfer/workers/mtp.py); the families whose heads load are MTP_ARCHITECTURES.
 """
 from __future__ import annotations
 
@@ -17,19 +16,29 @@ from xinfer.errors import ModelLoadError
 
 METHODS = ("ngram", "draft", "mtp")
 _MTP_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
+# The families whose MTP heads xinfer loads (xinfer/models/mtp.py): kept here, without importing
+# the models, for the scheduler process; tests/test_mtp.py checks each has the head.
+MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM")
 
 
 def has_mtp(model_cfg: dict) -> bool:
     return any(model_cfg.get(k) for k in _MTP_KEYS)
 
 
+def mtp_supported(model_cfg: dict) -> bool:
+    return has_mtp(model_cfg) and any(a in MTP_ARCHITECTURES for a in model_cfg.get("architectures") or [])
+
+
 def method(config, model_cfg: dict) -> str | None:
-    """The method this engine runs, or None when speculation is off."""
+    """The method this engine runs, or None when speculation is off. The default: a draft model
+    when one is given, else the model's MTP head where it has one xinfer loads, else n-grams."""
     if not config.num_speculative_tokens:
         return None
     if config.speculative_method:
         return config.speculative_method
-    return "draft" if config.draft_model else "ngram"
+    if config.draft_model:
+        return "draft"
+    return "mtp" if mtp_supported(model_cfg) else "ngram"
 
 
 def check(config, info) -> None:
@@ -38,10 +47,16 @@ def check(config, info) -> None:
     if m is None:
         return
     if m == "mtp":
-        why = ("its config declares MTP layers, but xinfer does not load MTP heads for "
-               f"{info.config.get('model_type', 'this family')} yet" if has_mtp(info.config)
-               else "the model has no MTP layers")
-        raise ModelLoadError(f"--speculative-method mtp: {why}; use ngram or --draft-model")
+        why = None
+        if not has_mtp(info.config):
+            why = "the model has no MTP layers"
+        elif not mtp_supported(info.config):
+            why = (f"its config declares MTP layers, but xinfer does not load MTP heads for "
+                   f"{info.config.get('model_type', 'this family')} yet (it does for {', '.join(MTP_ARCHITECTURES)})")
+        elif not _has_mtp_weights(info):
+            why = "its config declares MTP layers, but the checkpoint has no weights for them"
+        if why:
+            raise ModelLoadError(f"--speculative-method mtp: {why}; use ngram or --draft-model")
     if m == "draft":
         if not config.draft_model:
             raise ModelLoadError("--speculative-method draft needs --draft-model PATH")
@@ -65,6 +80,24 @@ def check_draft(info, draft: str):
         raise ModelLoadError(f"--draft-model {draft}: vocab_size {cfg['vocab_size']} is not the target's "
                              f"{info.config['vocab_size']}")
     return dinfo
+
+
+def _has_mtp_weights(info) -> bool:
+    """Whether the checkpoint stores the first MTP depth (its eh_proj, after the decoder's layers):
+    some conversions and quantized repacks drop them."""
+    n = info.config["num_hidden_layers"]
+    if info.kind == "gguf":
+        return f"blk.{n}.nextn.eh_proj.weight" in info.gguf.tensor_names
+    if info.kind != "hf":
+        return True  # random weights
+    from safetensors import safe_open
+
+    from xinfer.loader.hf import safetensors_files
+    for f in safetensors_files(info.path):
+        with safe_open(str(f), "np") as st:
+            if f"model.layers.{n}.eh_proj.weight" in st.keys():
+                return True
+    return False
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

@@ -30,7 +30,7 @@ log = logging.getLogger("xinfer.loader.gguf")
 # GGUF block types the CPU kernels read (ops/quant.py) -> bytes per 32-weight block
 BLOCK_TYPES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.((?:nextn\.)?\w+)\.(weight|bias)")  # nextn: an MTP depth's own
 _GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
 
 # From llama.cpp's llama-vocab.cpp, which treats these as end of generation whatever the file says.
@@ -60,6 +60,10 @@ class GGUFModel:
     def quantized(self) -> bool:
         """Some matrices are stored in a block type the CPU kernels read (ops/quant.py)."""
         return any(t.tensor_type.name in BLOCK_TYPES for t in self._reader.tensors)
+
+    @property
+    def tensor_names(self) -> set[str]:
+        return {t.name for t in self._reader.tensors}
 
     def quantized_blocks(self) -> Iterator[tuple[str, str, np.ndarray, tuple[int, int]]]:
         """(checkpoint name, GGUF type, raw blocks [rows, bytes], (rows, cols)) of every matrix in a

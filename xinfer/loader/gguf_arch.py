@@ -48,8 +48,10 @@ _FUSED = {
     "post_attention_norm": "post_self_attn_layernorm",
     "post_ffw_norm": "post_mlp_layernorm",
 }
-# GLM-4.5's MLP input norm is llama.cpp's post_attention_norm, as its HF name says.
-_GLM4MOE = {**BLOCK_TENSORS, "post_attention_norm": "post_attention_layernorm"}
+# GLM-4.5's MLP input norm is llama.cpp's post_attention_norm, as its HF name says. Its MTP depth's
+# own tensors are `nextn.*` (their embedding and head copies are the model's own and not read).
+_GLM4MOE = {**BLOCK_TENSORS, "post_attention_norm": "post_attention_layernorm", "nextn.eh_proj": "eh_proj",
+            "nextn.enorm": "enorm", "nextn.hnorm": "hnorm", "nextn.shared_head_norm": "shared_head.norm"}
 # The converter splits kv_b_proj per head into k_b (transposed) and v_b; older files keep attn_kv_b.
 _DEEPSEEK2 = {
     **BLOCK_TENSORS,

@@ -18,7 +18,8 @@ from ops.norm import RMSNorm
 from ops.rotary import RotaryEmbedding, yarn_mscale
 from xinfer.models.layers import Linear, _param, default_loader
 from xinfer.models.llama import LlamaForCausalLM, rope_params
-from xinfer.models.moe import deepseek_mlp, expert_target, without_mtp
+from xinfer.models.moe import deepseek_mlp, expert_target
+from xinfer.models.mtp import attach, mtp_target, without_mtp
 from xinfer.models.registry import register
 
 
@@ -83,6 +84,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         cfg = dict(cfg, head_dim=cfg["qk_rope_head_dim"])
         self.interleaved_rotary = cfg.get("rope_interleave", True)
         super().__init__(cfg)
+        attach(self, self.cfg)
 
     def make_attention(self, cfg, idx):
         return MLAttention(cfg, self.make_rotary(cfg, idx))
@@ -91,6 +93,8 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         return deepseek_mlp(cfg, idx)
 
     def remap(self, name):
+        if (t := mtp_target(self, name)) is not None:
+            return t
         if ".self_attn.q_proj." in name:  # its own weight, not a shard of a fused QKV
             return name, None
         for part in ("k", "v"):  # GGUF's split kv_b_proj (xinfer/loader/gguf_arch.py)
@@ -99,7 +103,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         return expert_target(name)
 
     def load_weights(self, weights):
-        super().load_weights(without_mtp(weights, self.cfg["num_hidden_layers"]))
+        super().load_weights(without_mtp(weights, self.cfg["num_hidden_layers"], self.mtp is not None))
 
 
 class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):

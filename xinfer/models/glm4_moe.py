@@ -5,12 +5,17 @@ from __future__ import annotations
 
 from xinfer.models.layers import Attention
 from xinfer.models.llama import LlamaForCausalLM
-from xinfer.models.moe import deepseek_mlp, expert_target, without_mtp
+from xinfer.models.moe import deepseek_mlp, expert_target
+from xinfer.models.mtp import attach, mtp_target, without_mtp
 from xinfer.models.registry import register
 
 
 class Glm4MoeForCausalLM(LlamaForCausalLM):
     partial_rotary = 0.5  # transformers' default when the config does not say
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        attach(self, cfg)
 
     def make_attention(self, cfg, idx):
         return Attention(cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], self.head_dim,
@@ -21,10 +26,10 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
         return deepseek_mlp(cfg, idx)
 
     def remap(self, name):
-        return expert_target(name)
+        return mtp_target(self, name) or expert_target(name)
 
     def load_weights(self, weights):
-        super().load_weights(without_mtp(weights, self.cfg["num_hidden_layers"]))
+        super().load_weights(without_mtp(weights, self.cfg["num_hidden_layers"], self.mtp is not None))
 
 
 register("Glm4MoeForCausalLM", Glm4MoeForCausalLM)

@@ -141,22 +141,11 @@ def deepseek_mlp(cfg: dict, idx: int, scoring: str = "sigmoid") -> nn.Module:
     h, act = cfg["hidden_size"], cfg.get("hidden_act", "silu")
     n = cfg.get("n_routed_experts") or 0
     kinds = cfg.get("mlp_layer_types")  # GLM-4.7-Flash says it per layer
-    if (kinds[idx] == "dense" if kinds else idx < cfg.get("first_k_dense_replace", 1)) or not n:
+    # an MTP depth (idx past the decoder's layers) is a MoE layer
+    if (idx < len(kinds) and kinds[idx] == "dense" if kinds else idx < cfg.get("first_k_dense_replace", 1)) or not n:
         return GatedMLP(h, cfg["intermediate_size"], act)
     inter = cfg["moe_intermediate_size"]
     groups = (1, 1) if cfg.get("topk_method") == "greedy" else (cfg.get("n_group") or 1, cfg.get("topk_group") or 1)
     router = Router(n, h, cfg["num_experts_per_tok"], scoring, cfg.get("norm_topk_prob", scoring == "sigmoid"),
                     *groups, cfg.get("routed_scaling_factor", 1.0))
     return SparseMoe(h, inter, n, router, act, inter * (cfg.get("n_shared_experts") or 0))
-
-
-_LAYER = re.compile(r"model\.layers\.(\d+)\.")
-
-
-def without_mtp(weights, num_layers: int):
-    """Drop the multi-token-prediction layers checkpoints store after the decoder's own
-    (`model.layers.{num_hidden_layers + i}`): nothing runs them yet."""
-    for name, t in weights:
-        m = _LAYER.match(name)
-        if m is None or int(m[1]) < num_layers:
-            yield name, t

@@ -23,6 +23,7 @@ class WorkerSeq:
     seed: int | None
     pool_sum: torch.Tensor | None = None  # params.embed with mean pooling: float32 sum of the rows so far
     draft_computed: int = 0  # --speculative-method draft: tokens in the draft model's KV cache
+    mtp_hidden: torch.Tensor | None = None  # --speculative-method mtp: the MTP head's last output [1, H]
 
 
 def drafted(ws: WorkerSeq, drafts: list[int]) -> list[WorkerSeq]:
@@ -30,9 +31,10 @@ def drafted(ws: WorkerSeq, drafts: list[int]) -> list[WorkerSeq]:
     return [ws] + [dataclasses.replace(ws, tokens=ws.tokens + drafts[:j]) for j in range(1, len(drafts) + 1)]
 
 
-def forward(model, backend, device, block_size: int, rows: list[tuple[list[int], int, list[int]]]):
+def forward(model, backend, device, block_size: int, rows: list[tuple[list[int], int, list[int]]], **inputs):
     """Hidden states of `rows` (block ids, position of the first token, tokens), one sequence each,
-    appended to what their KV cache holds before those positions."""
+    appended to what their KV cache holds before those positions. `inputs`: more per-row inputs of
+    the model's (the MTP head's target hidden states)."""
     bs = block_size
     ids, pos, slots, qlens, kvlens = [], [], [], [], []
     for blocks, start, toks in rows:
@@ -54,7 +56,8 @@ def forward(model, backend, device, block_size: int, rows: list[tuple[list[int],
         query_lens=qlens, kv_lens=kvlens, block_size=bs)
     set_context(meta, backend)
     try:
-        return model(torch.tensor(ids, dtype=torch.long, device=device), torch.from_numpy(np.concatenate(pos)).to(device))
+        return model(torch.tensor(ids, dtype=torch.long, device=device), torch.from_numpy(np.concatenate(pos)).to(device),
+                     **inputs)
     finally:
         set_context(None)
 

@@ -29,7 +29,7 @@ class Drafter:
         distributions they were drawn from [k, V], or None when every draft was an argmax)."""
         want = {s.seq_id: s.num_spec for s in plan.scheduled if s.num_spec and not s.draft_ids}
         sids = list(want)
-        logits = self._catch_up([seqs[sid] for sid in sids])
+        logits = self._first(sids, seqs)
         drafts = {sid: [] for sid in sids}
         qs = {sid: [] for sid in sids}
         greedy = all(seqs[sid].params.greedy for sid in sids)
@@ -50,11 +50,24 @@ class Drafter:
             sids = [sid for sid in sids if len(drafts[sid]) < want[sid]]
             if not sids:
                 break
-            logits = self._run([(seqs[sid], len(seqs[sid].tokens) + len(drafts[sid]) - 1, [drafts[sid][-1]])
-                                for sid in sids])
-            for sid in sids:
-                seqs[sid].draft_computed += 1
+            logits = self._next(sids, seqs, drafts)
         return {sid: (d, torch.stack(qs[sid]) if qs[sid] else None) for sid, d in drafts.items()}
+
+    def after_step(self, rows) -> None:
+        """Called with each step's target hidden states (the MTP drafter's catch-up); this one catches
+        up lazily instead, when a sequence speculates."""
+
+    def _first(self, sids, seqs) -> torch.Tensor:
+        """The logits of each sequence's first draft."""
+        return self._catch_up([seqs[sid] for sid in sids])
+
+    def _next(self, sids, seqs, drafts) -> torch.Tensor:
+        """The logits of the draft after each sequence's last one (its KV written now)."""
+        logits = self._run([(seqs[sid], len(seqs[sid].tokens) + len(drafts[sid]) - 1, [drafts[sid][-1]])
+                            for sid in sids])
+        for sid in sids:
+            seqs[sid].draft_computed += 1
+        return logits
 
     def _catch_up(self, wss: list[WorkerSeq]) -> torch.Tensor:
         """Feed each sequence's tokens the draft has not seen (in chunks); its last row's logits."""

@@ -22,6 +22,7 @@ from xinfer.loader.weights import build_model
 from xinfer.models.layers import attach_bf16, attach_blocks
 from xinfer.workers.batch import WorkerSeq, drafted, forward, sampling_batch
 from xinfer.workers.drafter import Drafter
+from xinfer.workers.mtp import MtpDrafter
 
 log = logging.getLogger("xinfer.worker")
 
@@ -62,7 +63,8 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         torch.manual_seed(config.seed)
-        cfg = dict(info.config, _max_positions=config.max_model_len)
+        method = spec.method(config, info.config)
+        cfg = dict(info.config, _max_positions=config.max_model_len, _mtp=method == "mtp")
         self.model = self._build(info, cfg)
         self.vocab_size = cfg["vocab_size"]
         self.eos_ids = info.eos_token_ids
@@ -71,7 +73,12 @@ class ModelRunner:
             log.info(cpu_isa.describe(config.cpu_matmul, config.quantization == "gguf", cpu_kernels.has_bf16()))
         self.block_size = config.block_size
         self.drafter, draft_cfg = None, None
-        if spec.method(config, info.config) == "draft":
+        if method == "mtp":
+            self.drafter = MtpDrafter(self.model, self.backend, self.device, self.block_size, self.vocab_size,
+                                      self.eos_ids)
+            draft_cfg = dict(cfg, num_hidden_layers=1)  # the head's one decoder layer
+            log.info("the model's MTP head proposes %d tokens a step", config.num_speculative_tokens)
+        if method == "draft":
             dinfo = load_model_info(config.draft_model)
             draft_cfg = dict(dinfo.config, _max_positions=config.max_model_len)
             self.drafter = Drafter(self._build(dinfo, draft_cfg), self.backend, self.device, self.block_size,
@@ -81,7 +88,7 @@ class ModelRunner:
                                                                                self.device, draft_cfg)
         self._alloc_kv(self.model)
         if self.drafter is not None:
-            self._alloc_kv(self.drafter.model)
+            self._alloc_kv(self.drafter.model)  # a draft model or the MTP head
         self.seqs: dict[int, WorkerSeq] = {}
 
     def _build(self, info: ModelInfo, cfg: dict):
@@ -160,6 +167,7 @@ class ModelRunner:
             for sid, (d, qd) in self.drafter.propose(plan, self.seqs).items():
                 drafts[sid], q[sid] = d, qd
         rows, sample_rows, sample_seqs, n = [], [], [], 0
+        first_row = {}
         scored = []  # prompt logprobs asked: (seq id, first row, first scored position, count)
         pooled = []  # embedding sequences: (seq id, first row, first position, end)
         for s in plan.scheduled:
@@ -171,6 +179,7 @@ class ModelRunner:
                 pooled.append((s.seq_id, n, start, end))
             d = drafts.get(s.seq_id, [])
             rows.append((ws.block_ids, start, ws.tokens[start:end] + d))
+            first_row[s.seq_id] = (n, start)
             n += s.num_tokens + len(d)
             if end == len(ws.tokens):  # caught up: this step yields the next token (and verifies drafts)
                 sample_rows.extend(range(n - len(d) - 1, n))
@@ -181,6 +190,7 @@ class ModelRunner:
         prompt_lps = self._prompt_logprobs(hidden, scored) if scored else []
         embeddings = self._pool(hidden, pooled) if pooled else []
         if not sample_seqs:
+            self._after_step(plan, hidden, first_row, {})
             return StepResult(plan.step_id, [], b"", [], prompt_lps, embeddings=embeddings)
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
         new, lps = self._sample(plan, logits, sample_seqs, drafts, q)
@@ -191,10 +201,22 @@ class ModelRunner:
                 ws.num_computed += len(toks) - 1
                 ws.draft_computed = min(ws.draft_computed, ws.num_computed)
                 del ws.block_ids[spec.blocks_needed(ws.num_computed, self.block_size):]
+        self._after_step(plan, hidden, first_row, {sid: len(new[sid]) - 1 for sid in drafts})
         flat = [t for sid in sample_seqs for t in new[sid]]
         per_token = [e for sid in sample_seqs for e in lps.get(sid, [None] * len(new[sid]))] if lps else []
         return StepResult(plan.step_id, sample_seqs, pack_ids(flat), per_token, prompt_lps, embeddings=embeddings,
                           counts=[len(new[sid]) for sid in sample_seqs] if drafts else [])
+
+    def _after_step(self, plan, hidden, first_row, accepted):
+        """Hand the drafter the hidden states of the positions the target kept: each sequence's
+        scheduled tokens and its accepted drafts."""
+        if self.drafter is None:
+            return
+        kept = []
+        for s in plan.scheduled:
+            row, start = first_row[s.seq_id]
+            kept.append((self.seqs[s.seq_id], start, hidden[row:row + s.num_tokens + accepted.get(s.seq_id, 0)]))
+        self.drafter.after_step(kept)
 
     def _sample(self, plan, logits, sample_seqs, drafts, q):
         """Each sampling sequence's new tokens ({seq id: [tokens]}) and, when asked, their logprobs
