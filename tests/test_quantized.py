@@ -31,14 +31,12 @@ PROMPT = [3, 17, 42, 99, 5, 64, 23, 11, 7, 120, 31]
 # ---- detection
 
 @pytest.mark.parametrize("qc,named", [
-    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "fp8 per-tensor"),
     ({"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}, "MXFP4"),
-    ({"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}, "MXFP4 (compressed-tensors)"),
-    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "NVFP4 (modelopt)"),
-    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}, "nvfp4-pack-quantized (NVFP4)"),
-    ({"quant_method": "compressed-tensors", "config_groups": {"group_0": {"format": "pack-quantized"}}},
+    ({"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"}, "W4A8_AWQ (modelopt)"),
+    ({"quant_method": "compressed-tensors", "format": "marlin-24"}, "compressed-tensors marlin-24"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"group_0": {"format": "pack-quantized",
+                                                                          "weights": {"num_bits": 2}}}},
      "pack-quantized (WNA16)"),
-    ({"quant_method": "compressed-tensors", "format": "float-quantized"}, "float-quantized (FP8)"),
     ({"quant_method": "gptq", "bits": 3}, "gptq (3 bits)"),
     ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "awq (4 bits, gemv)"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
@@ -55,8 +53,7 @@ def test_modelopt_side_file(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     (tmp_path / "hf_quant_config.json").write_text(json.dumps(
         {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "NVFP4", "group_size": 16}}))
-    with pytest.raises(ModelLoadError, match=r"NVFP4 \(modelopt\)"):
-        detect(str(tmp_path))
+    assert detect(str(tmp_path)).method == "nvfp4"
 
 
 @pytest.mark.parametrize("qc,method,extra", [

@@ -1,4 +1,5 @@
-"""Quantized HF checkpoints (FP8 blocks, GPTQ, AWQ) dequantized once at load into float weights.
+"""Quantized HF checkpoints (FP8, GPTQ, AWQ, NVFP4, MXFP4, compressed-tensors) dequantized once at
+load into float weights.
 
 No kernel here reads these formats in place, so each quantized linear becomes an ordinary float
 weight under its checkpoint name (`<prefix>.weight`) and the usual weight loaders fuse QKV and
@@ -14,6 +15,18 @@ Each dequantizer follows its format's definition (W is [out, in] as `nn.Linear` 
 - AWQ (gemm): qweight int32 [in, out / 8], qzeros int32 [groups, out / 8], both packed along `out`
   with output column AWQ_ORDER[i] in bit slot i; W^T[k, n] = scales[g, n] * (q[k, n] - zeros[g, n]),
   g = k // group_size.
+- scaled (fp8 without blocks, ModelOpt FP8, compressed-tensors float- and int-quantized): W = w * weight_scale,
+  one scale per tensor, per output row ([out, 1]) or per `block` ([ceil(out / bs0), ceil(in / bs1)]).
+- NVFP4 (ModelOpt; compressed-tensors nvfp4-pack-quantized): uint8 [out, in / 2], two E2M1 values a byte,
+  the lower nibble first; weight_scale float8_e4m3 [out, in / 16]; W = e2m1 * weight_scale * weight_scale_2
+  (ModelOpt) or * weight_scale / weight_global_scale (compressed-tensors keeps the reciprocal).
+- MXFP4 (compressed-tensors mxfp4-pack-quantized): the same E2M1 bytes, weight_scale uint8 E8M0
+  [out, in / 32]: W = e2m1 * 2^(weight_scale - 127).
+- WNA16 (compressed-tensors pack-quantized): weight_packed int32 [out, in * bits / 32] packed along `in`,
+  lowest bits first, each value stored plus 2^(bits - 1); weight_scale [out, groups]; asymmetric ones
+  weight_zero_point int32 packed along `out` the same way; weight_g_idx [in] with act-order; weight_shape
+  [out, in]. W[n, k] = (q[n, k] - z[n, g]) * scale[n, g], g = g_idx[k] or k // group_size, z = 2^(bits - 1)
+  when symmetric.
 """
 from __future__ import annotations
 
@@ -34,6 +47,54 @@ def dequant_fp8_block(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int
     n, k = w.shape
     s = scale_inv.float().repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
     return w.float() * s
+
+
+# E2M1 (FP4) code -> value: bit 3 the sign, then two exponent bits and one mantissa bit
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequant_scaled(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None) -> torch.Tensor:
+    n, k = w.shape
+    s = scale.float()
+    if s.numel() == 1:
+        return w.float() * s.reshape(())
+    if s.numel() == n:
+        return w.float() * s.reshape(n, 1)
+    if block is None:
+        raise ValueError(f"scale of shape {tuple(s.shape)} for a [{n}, {k}] weight needs a block structure")
+    return dequant_fp8_block(w, s, block)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., m] -> float32 [..., 2m], the lower nibble first."""
+    b = packed.to(torch.uint8).to(torch.long)
+    codes = torch.stack([b & 15, b >> 4], dim=-1).flatten(-2)
+    return torch.tensor(E2M1)[codes]
+
+
+def dequant_nvfp4(packed, scale, global_scale) -> torch.Tensor:
+    v = unpack_e2m1(packed)
+    n, k = v.shape
+    s = scale.float().repeat_interleave(16, 1)[:, :k]
+    return v * s * global_scale.float().reshape(())
+
+
+def dequant_mxfp4(packed, scale) -> torch.Tensor:
+    v = unpack_e2m1(packed)
+    k = v.shape[1]
+    s = torch.exp2(scale.to(torch.uint8).float() - 127.0).repeat_interleave(32, 1)[:, :k]
+    return v * s
+
+
+def dequant_wna16(packed, scale, zero_point, g_idx, shape, bits: int, group_size: int) -> torch.Tensor:
+    n, k = (int(x) for x in shape) if shape is not None else (packed.shape[0], packed.shape[1] * 32 // bits)
+    q = unpack_int32(packed, bits, 1)[:, :k]
+    if zero_point is None:
+        z = torch.full((n, scale.shape[1]), 1 << (bits - 1), dtype=torch.int32)
+    else:
+        z = unpack_int32(zero_point, bits, 0)[:n]
+    g = g_idx.long() if g_idx is not None else torch.arange(k) // (group_size if group_size > 0 else k)
+    return (q - z[:, g]).float() * scale.float()[:, g]
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -103,30 +164,64 @@ class _Shards:
         return self.get(name) if name in self.where else None
 
 
-def _companions(scheme: QuantScheme, prefix: str) -> list[str]:
-    if scheme.method == "fp8":
-        return [f"{prefix}.weight_scale_inv", f"{prefix}.input_scale"]
-    return [f"{prefix}.{s}" for s in ("qweight", "qzeros", "scales", "g_idx")]
+# method -> (the tensor that marks a quantized linear, every tensor of one, the required ones first;
+# how many are required)
+FORMATS = {
+    "fp8": (("weight_scale_inv", "weight", "input_scale"), 2),
+    "scaled": (("weight_scale", "weight", "input_scale"), 2),
+    "gptq": (("qweight", "qzeros", "scales", "g_idx"), 3),
+    "awq": (("qweight", "qzeros", "scales"), 3),
+    "nvfp4": (("weight_scale_2", "weight", "weight_scale", "input_scale"), 3),
+    "nvfp4_ct": (("weight_global_scale", "weight_packed", "weight_scale", "input_global_scale"), 3),
+    "mxfp4_ct": (("weight_packed", "weight_scale"), 2),
+    "wna16": (("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape"), 2),
+}
+
+
+def _dequant(scheme: QuantScheme, p: dict) -> torch.Tensor:
+    m = scheme.method
+    if m == "fp8":
+        return dequant_fp8_block(p["weight"], p["weight_scale_inv"], scheme.block)
+    if m == "scaled":
+        return dequant_scaled(p["weight"], p["weight_scale"], scheme.block)
+    if m == "gptq":
+        return dequant_gptq(p["qweight"], p["qzeros"], p["scales"], p["g_idx"], scheme.bits, scheme.group_size,
+                            scheme.zero_offset)
+    if m == "awq":
+        return dequant_awq(p["qweight"], p["qzeros"], p["scales"], scheme.group_size)
+    if m == "nvfp4":
+        return dequant_nvfp4(p["weight"], p["weight_scale"], p["weight_scale_2"])
+    if m == "nvfp4_ct":
+        return dequant_nvfp4(p["weight_packed"], p["weight_scale"], 1.0 / p["weight_global_scale"].float())
+    if m == "mxfp4_ct":
+        return dequant_mxfp4(p["weight_packed"], p["weight_scale"])
+    return dequant_wna16(p["weight_packed"], p["weight_scale"], p["weight_zero_point"], p["weight_g_idx"],
+                         p["weight_shape"], scheme.bits, scheme.group_size)
 
 
 def iter_dequantized(folder: str, scheme: QuantScheme, dtype: torch.dtype):
     """(name, tensor) as iter_safetensors yields them, each quantized linear as a float `.weight`."""
     shards = _Shards(folder)
-    key = ".weight_scale_inv" if scheme.method == "fp8" else ".qweight"
+    names, required = FORMATS[scheme.method]
+    key = "." + names[0]
     prefixes = {n[:-len(key)] for n in shards.where if n.endswith(key)}
-    skip = {c for p in prefixes for c in _companions(scheme, p)}
+    skip = {f"{p}.{c}" for p in prefixes for c in names}
     stored = dense = 0
     for name in shards.where:
         if name.endswith(key):
             prefix = name[:-len(key)]
-            parts = [shards.opt(c) for c in _companions(scheme, prefix)]
-            w = _dequant(scheme, prefix, shards, parts)
-            stored += sum(t.numel() * t.element_size() for t in parts if t is not None)
-            if scheme.method == "fp8":
-                stored += w.numel()  # the float8 weight itself, one byte each
+            parts = {c: shards.opt(f"{prefix}.{c}") for c in names}
+            try:
+                missing = [c for c in names[:required] if parts[c] is None]
+                if missing:
+                    raise ValueError(f"{', '.join(missing)} missing")
+                w = _dequant(scheme, parts)
+            except (KeyError, ValueError, RuntimeError, IndexError, TypeError) as e:
+                raise ModelLoadError(f"{scheme.method} weight {prefix}: {type(e).__name__}: {e}") from None
+            stored += sum(t.numel() * t.element_size() for t in parts.values() if t is not None)
             dense += w.numel() * torch.tensor([], dtype=dtype).element_size()
             yield f"{prefix}.weight", w
-        elif name in skip or (scheme.method == "fp8" and name.endswith(".weight") and name[:-7] in prefixes):
+        elif name in skip:
             continue  # read with its quantized weight
         else:
             yield name, shards.get(name)
@@ -138,17 +233,3 @@ def iter_dequantized(folder: str, scheme: QuantScheme, dtype: torch.dtype):
 
 def size(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
-
-
-def _dequant(scheme: QuantScheme, prefix: str, shards: _Shards, parts) -> torch.Tensor:
-    try:
-        if scheme.method == "fp8":
-            return dequant_fp8_block(shards.get(f"{prefix}.weight"), parts[0], scheme.block)
-        qweight, qzeros, scales, g_idx = parts
-        if qzeros is None or scales is None:
-            raise ValueError("qzeros or scales missing")
-        if scheme.method == "gptq":
-            return dequant_gptq(qweight, qzeros, scales, g_idx, scheme.bits, scheme.group_size, scheme.zero_offset)
-        return dequant_awq(qweight, qzeros, scales, scheme.group_size)
-    except (KeyError, ValueError, RuntimeError, IndexError) as e:
-        raise ModelLoadError(f"{scheme.method} weight {prefix}: {type(e).__name__}: {e}") from None

@@ -10,13 +10,15 @@ from xinfer.errors import ModelLoadError
 from xinfer.loader import hf
 
 # What loads (each dequantized at load, xinfer/loader/dequant.py); the rest is only named.
-SUPPORTED = ("fp8 with weight_block_size", "gptq (4 or 8 bits)", "awq (4 bits, gemm)")
+SUPPORTED = ("fp8 with weight_block_size", "fp8 per-tensor or per-channel", "gptq (4 or 8 bits)", "awq (4 bits, gemm)",
+             "NVFP4 (modelopt)", "FP8 (modelopt)", "compressed-tensors nvfp4-pack-quantized, mxfp4-pack-quantized, "
+             "pack-quantized (WNA4/8), float-quantized (FP8), int-quantized (INT8)")
 
 
 @dataclass
 class QuantScheme:
-    method: str  # "fp8", "gptq", "awq"
-    block: tuple[int, int] | None = None  # fp8: weight_block_size
+    method: str  # a key of xinfer/loader/dequant.FORMATS
+    block: tuple[int, int] | None = None  # fp8: weight_block_size; scaled: a block structure if any
     bits: int = 4
     group_size: int = -1
     zero_offset: int = 0  # gptq v1 stores each zero point minus one
@@ -73,6 +75,13 @@ def _scheme(qc: dict) -> QuantScheme | None:
     if method == "fp8" and qc.get("weight_block_size"):
         bs = tuple(int(x) for x in qc["weight_block_size"])
         return QuantScheme("fp8", block=bs, raw=qc) if len(bs) == 2 else None
+    if method == "fp8":  # one weight_scale per tensor (or per output row)
+        return QuantScheme("scaled", raw=qc)
+    if method == "modelopt":
+        algo = str(qc.get("quant_algo", "")).upper()
+        return {"NVFP4": QuantScheme("nvfp4", raw=qc), "FP8": QuantScheme("scaled", raw=qc)}.get(algo)
+    if method == "compressed-tensors":
+        return _ct_scheme(qc)
     bits, gs = int(qc.get("bits", 4)), int(qc.get("group_size", -1))
     if method == "gptq" and bits in (4, 8):
         # gptq v1 (AutoGPTQ) writes zero points minus one; gptqmodel's v2 writes them as they are
@@ -81,4 +90,25 @@ def _scheme(qc: dict) -> QuantScheme | None:
     if method == "awq" and bits == 4 and str(qc.get("version", "gemm")).lower() == "gemm" \
             and qc.get("zero_point", True):
         return QuantScheme("awq", bits=bits, group_size=gs, raw=qc)
+    return None
+
+
+def _ct_scheme(qc: dict) -> QuantScheme | None:
+    """compressed-tensors: every config group in one format, with its weights' settings."""
+    formats = _ct_formats(qc)
+    groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict)]
+    w = (groups[0].get("weights") or {}) if groups else {}
+    if len(formats) != 1 or any((g.get("weights") or {}) != w for g in groups):
+        return None
+    fmt = formats[0]
+    if fmt == "nvfp4-pack-quantized":
+        return QuantScheme("nvfp4_ct", raw=qc)
+    if fmt == "mxfp4-pack-quantized":
+        return QuantScheme("mxfp4_ct", raw=qc)
+    if fmt in ("float-quantized", "int-quantized", "naive-quantized"):
+        bs = w.get("block_structure")
+        return QuantScheme("scaled", block=tuple(int(x) for x in bs) if bs else None, raw=qc)
+    if fmt == "pack-quantized" and int(w.get("num_bits", 4)) in (4, 8):
+        gs = int(w.get("group_size") or -1) if w.get("strategy", "group") == "group" else -1
+        return QuantScheme("wna16", bits=int(w.get("num_bits", 4)), group_size=gs, raw=qc)
     return None

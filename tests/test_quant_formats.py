@@ -1,0 +1,196 @@
+"""NVFP4 (ModelOpt and compressed-tensors), MXFP4, WNA16 (pack-quantized), per-tensor / per-channel
+FP8 and INT8 checkpoints: each dequantizer against its format's definition (the quantizers here are
+written from it), and each folder (a tiny random Llama) against transformers on the same
+dequantized weights."""
+import json
+
+import pytest
+import torch
+
+from tests.test_quantized import _check, _dequantized_ref, _engine, _llama, _save_quantized
+from xinfer.loader.dequant import E2M1, dequant_mxfp4, dequant_nvfp4, dequant_scaled, dequant_wna16, unpack_e2m1
+from xinfer.loader.quant_config import detect
+
+POS = torch.tensor(E2M1[:8])
+
+
+def _codes(x):
+    """The nearest E2M1 code of each value (sign in bit 3)."""
+    idx = (x.abs()[..., None] - POS).abs().argmin(-1)
+    return idx + 8 * (x < 0).long()
+
+
+def _pack(codes):
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+
+
+def _nvfp4(w):
+    """(packed, fp8 scale per 16, global) with global = amax / (448 * 6), ModelOpt's weight_scale_2."""
+    n, k = w.shape
+    g = w.abs().max() / (448 * 6)
+    blk = w.view(n, k // 16, 16)
+    scale = (blk.abs().amax(-1) / 6 / g).to(torch.float8_e4m3fn)
+    q = _codes(blk / (scale.float() * g).clamp(min=1e-12)[..., None]).view(n, k)
+    return _pack(q), scale, g.reshape(())
+
+
+def _mxfp4(w):
+    n, k = w.shape
+    blk = w.view(n, k // 32, 32)
+    e = torch.ceil(torch.log2(blk.abs().amax(-1).clamp(min=1e-30) / 6)).clamp(-127, 127)
+    q = _codes(blk / torch.exp2(e)[..., None]).view(n, k)
+    return _pack(q), (e + 127).to(torch.uint8)
+
+
+def _pack32(q, bits, dim):
+    """compressed-tensors' int32 packing: 32 / bits consecutive values along `dim`, the first lowest."""
+    per = 32 // bits
+    q = q.movedim(dim, -1).to(torch.int64)
+    q = q.reshape(*q.shape[:-1], -1, per)
+    out = sum(q[..., i] << (bits * i) for i in range(per))
+    out = torch.where(out >= 1 << 31, out - (1 << 32), out).to(torch.int32)
+    return out.movedim(-1, dim).contiguous()
+
+
+def _wna16(w, bits, gs, symmetric, perm=None):
+    """Per group of input columns (after act-order's `perm`): symmetric q in [-2^(b-1), 2^(b-1) - 1] or
+    min-max with a zero point; stored as unsigned (plus 2^(b-1)). Returns the tensors and W."""
+    n, k = w.shape
+    g_idx = torch.empty(k, dtype=torch.int32)
+    g_idx[perm if perm is not None else torch.arange(k)] = (torch.arange(k) // gs).int()
+    half, top = 1 << (bits - 1), (1 << bits) - 1
+    scale, zero = torch.empty(n, k // gs), torch.zeros(n, k // gs, dtype=torch.int64)
+    for g in range(k // gs):
+        cols = w[:, g_idx == g]
+        if symmetric:
+            scale[:, g] = cols.abs().amax(1) / (half - 1)
+        else:
+            lo, hi = cols.amin(1), cols.amax(1)
+            scale[:, g] = (hi - lo) / top
+            zero[:, g] = torch.round(-lo / scale[:, g]).clamp(0, top)
+    scale = scale.half().float()
+    s, z = scale[:, g_idx.long()], (zero[:, g_idx.long()] if not symmetric else half)
+    q = (torch.round(w / s) + z).clamp(0, top).to(torch.int64)
+    parts = {"weight_packed": _pack32(q, bits, 1), "weight_scale": scale.half(),
+             "weight_shape": torch.tensor([n, k], dtype=torch.int32)}
+    if not symmetric:
+        parts["weight_zero_point"] = _pack32(zero, bits, 0)
+    if perm is not None:
+        parts["weight_g_idx"] = g_idx
+    return parts, (q - z).float() * s
+
+
+def test_e2m1_codes_and_nibble_order():
+    assert unpack_e2m1(torch.tensor([[0x2F, 0x70]], dtype=torch.uint8)).tolist() == [[-6.0, 1.0, 0.0, 6.0]]
+
+
+def test_nvfp4_and_mxfp4_are_the_definition():
+    torch.manual_seed(0)
+    w = torch.randn(24, 64)
+    packed, scale, g = _nvfp4(w)
+    got = dequant_nvfp4(packed, scale, g)
+    codes = torch.stack([packed.long() & 15, packed.long() >> 4], -1).view(24, 64)
+    for i, j in [(0, 0), (3, 17), (23, 63), (11, 32)]:
+        assert got[i, j].item() == pytest.approx(E2M1[codes[i, j]] * scale[i, j // 16].float().item() * g.item(), rel=1e-6)
+    assert (got - w).abs().max() < 0.3 * w.abs().max()
+    packed, e = _mxfp4(w)
+    got = dequant_mxfp4(packed, e)
+    codes = torch.stack([packed.long() & 15, packed.long() >> 4], -1).view(24, 64)
+    for i, j in [(0, 0), (5, 40), (23, 63)]:
+        assert got[i, j].item() == E2M1[codes[i, j]] * 2.0 ** (int(e[i, j // 32]) - 127)
+    assert (got - w).abs().max() < 0.3 * w.abs().max()
+
+
+@pytest.mark.parametrize("bits,symmetric,act_order", [(4, True, False), (4, False, True), (8, True, False)])
+def test_wna16_is_the_definition(bits, symmetric, act_order):
+    torch.manual_seed(1)
+    w = torch.randn(32, 128)
+    perm = torch.randperm(128) if act_order else None
+    parts, want = _wna16(w, bits, 32, symmetric, perm)
+    got = dequant_wna16(parts["weight_packed"], parts["weight_scale"], parts.get("weight_zero_point"),
+                        parts.get("weight_g_idx"), parts["weight_shape"], bits, 32)
+    assert torch.equal(got, want)
+    assert (got - w).abs().max() < (0.2 if bits == 4 else 0.02) * w.abs().max()
+
+
+def test_scaled_per_tensor_channel_and_block():
+    w = torch.randn(8, 64).to(torch.float8_e4m3fn)
+    assert torch.equal(dequant_scaled(w, torch.tensor([0.5])), w.float() * 0.5)
+    rows = torch.arange(1, 9, dtype=torch.float32)[:, None]
+    assert torch.equal(dequant_scaled(w, rows), w.float() * rows)
+    blocks = torch.tensor([[1.0, 2.0]])
+    assert torch.equal(dequant_scaled(w, blocks, (8, 32))[:, 32:], w.float()[:, 32:] * 2)
+
+
+def _ct(fmt, weights=None):
+    return {"quant_method": "compressed-tensors", "format": fmt,
+            "config_groups": {"group_0": {"targets": ["Linear"], "format": fmt, "weights": weights or {}}},
+            "ignore": ["lm_head"]}
+
+
+# name -> (quantization_config, convert(weight) -> stored tensors, the weight they stand for)
+def _cases():
+    def nv_modelopt(w):
+        p, s, g = _nvfp4(w)
+        return {"weight": p, "weight_scale": s, "weight_scale_2": g, "input_scale": torch.tensor(1.0)}, \
+            dequant_nvfp4(p, s, g)
+
+    def nv_ct(w):
+        p, s, g = _nvfp4(w)
+        return {"weight_packed": p, "weight_scale": s, "weight_global_scale": (1 / g).reshape(1)}, \
+            dequant_nvfp4(p, s, g)
+
+    def mx(w):
+        p, e = _mxfp4(w)
+        return {"weight_packed": p, "weight_scale": e}, dequant_mxfp4(p, e)
+
+    def fp8_channel(w):
+        s = w.abs().amax(1, keepdim=True) / 448
+        q = (w / s).to(torch.float8_e4m3fn)
+        return {"weight": q, "weight_scale": s}, q.float() * s
+
+    def int8_channel(w):
+        s = w.abs().amax(1, keepdim=True) / 127
+        q = torch.round(w / s).clamp(-128, 127).to(torch.int8)
+        return {"weight": q, "weight_scale": s}, q.float() * s
+
+    def fp8_tensor(w):
+        s = w.abs().max() / 448
+        q = (w / s).to(torch.float8_e4m3fn)
+        return {"weight": q, "weight_scale": s.reshape(())}, q.float() * s
+
+    def wna16(w):
+        # act-order with zero points: the input columns permuted by a seeded, weight-shaped draw
+        perm = torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(w.shape[0]))
+        return _wna16(w, 4, 32, False, perm)
+
+    return {
+        "nvfp4_modelopt": ({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}, nv_modelopt),
+        "nvfp4_ct": (_ct("nvfp4-pack-quantized", {"num_bits": 4, "type": "float", "group_size": 16}), nv_ct),
+        "mxfp4_ct": (_ct("mxfp4-pack-quantized", {"num_bits": 4, "type": "float", "group_size": 32}), mx),
+        "wna16_ct": (_ct("pack-quantized", {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32,
+                                            "symmetric": False, "actorder": "group"}), wna16),
+        "fp8_ct": (_ct("float-quantized", {"num_bits": 8, "type": "float", "strategy": "channel"}), fp8_channel),
+        "int8_ct": (_ct("int-quantized", {"num_bits": 8, "type": "int", "strategy": "channel"}), int8_channel),
+        "fp8_tensor": ({"quant_method": "fp8", "activation_scheme": "static"}, fp8_tensor),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_cases()))
+def test_checkpoint_matches_transformers_on_the_dequantized_weights(tmp_path, name, caplog):
+    qc, convert = _cases()[name]
+    model = _llama()
+    _save_quantized(model, tmp_path, qc, lambda w: convert(w)[0])
+    assert detect(str(tmp_path)) is not None
+    ref = _dequantized_ref(model, lambda w: convert(w)[1])
+    with caplog.at_level("WARNING", logger="xinfer.loader"):
+        _check(_engine(tmp_path, quantization="none"), ref)
+    assert any("dequantized at load" in r.message for r in caplog.records)
+
+
+def test_mixed_compressed_tensors_groups_are_refused(tmp_path):
+    qc = _ct("pack-quantized", {"num_bits": 4})
+    qc["config_groups"]["group_1"] = {"format": "float-quantized", "weights": {"num_bits": 8}}
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": qc}))
+    with pytest.raises(Exception, match="does not load"):
+        detect(str(tmp_path))
