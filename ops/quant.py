@@ -40,7 +40,9 @@ class QuantWeight:
     def from_gguf(cls, type_name: str, blocks: np.ndarray, shape) -> "QuantWeight":
         """`blocks` [N, K / 32 * bytes per block] uint8, GGUF's own bytes."""
         n, k = shape
-        b = blocks.reshape(n, k // 32, BLOCK_TYPES[type_name])
+        if type_name == "Q4_K":
+            return cls._from_q4_k(blocks, shape)
+        b = blocks.reshape(n, k // 32, BLOCK_TYPES[type_name][1])
         d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
         if type_name == "Q8_0":
             return cls("q8", torch.from_numpy(b[..., 2:].copy().view(np.int8).reshape(n, k)), torch.from_numpy(d),
@@ -53,6 +55,27 @@ class QuantWeight:
             qs = b[..., 2:]
         return cls("q4", torch.from_numpy(qs.reshape(n, k // 2).copy()), torch.from_numpy(d), torch.from_numpy(m),
                    shape)
+
+    @classmethod
+    def _from_q4_k(cls, blocks: np.ndarray, shape) -> "QuantWeight":
+        """Q4_K: per 256 weights, float16 d and dmin, twelve bytes of 6-bit scales and mins for
+        eight sub-blocks of 32, and 128 bytes of nibbles (each 32 bytes: sub-block 2i in the low
+        nibbles, 2i + 1 in the high). Weight = d * sc * q - dmin * mn: a q4 block with d' = d * sc
+        and m' = -(dmin * mn), computed in float32 as the GGUF reference does."""
+        n, k = shape
+        b = blocks.reshape(n, k // 256, 144)
+        d = b[..., 0:2].copy().view(np.float16).astype(np.float32)  # [n, S, 1]
+        dmin = b[..., 2:4].copy().view(np.float16).astype(np.float32)
+        sc = b[..., 4:16].astype(np.uint8)
+        scales = np.concatenate([sc[..., 0:4] & 63, (sc[..., 8:12] & 15) | ((sc[..., 0:4] >> 6) << 4)], -1)
+        mins = np.concatenate([sc[..., 4:8] & 63, (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)], -1)
+        q = b[..., 16:].reshape(n, k // 256, 4, 32)
+        vals = np.stack([q & 15, q >> 4], axis=3).reshape(n, k // 32, 32)  # sub-blocks in order
+        qs = vals[..., :16] | (vals[..., 16:] << 4)  # the q4 layout: weights 0-15 low, 16-31 high
+        dd = (d * scales.astype(np.float32)).reshape(n, k // 32)
+        mm = -(dmin * mins.astype(np.float32)).reshape(n, k // 32)
+        return cls("q4", torch.from_numpy(qs.astype(np.uint8).reshape(n, k // 2)), torch.from_numpy(dd),
+                   torch.from_numpy(mm), shape)
 
     @staticmethod
     def cat(parts: list["QuantWeight"]) -> "QuantWeight | None":

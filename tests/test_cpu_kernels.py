@@ -22,10 +22,16 @@ from ops.rotary import RotaryEmbedding, _apply
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels are off here (no C compiler, neither AVX-512 nor AVX2, or XINFER_CPU_KERNELS=0); "
                                 "the torch paths they replace run instead")
 
-TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K"]
 
 
 def _blocks(type_name, n=96, k=160, seed=0):
+    if type_name == "Q4_K":  # gguf has no K-quant quantizer: random super-blocks, read as Q4_1-style blocks
+        from tests.test_gguf import _random_k_blocks
+        raw = _random_k_blocks(np.random.default_rng(seed), GGMLQuantizationType.Q4_K, n, 256)
+        raw[:, 0:4] = np.tile(np.array([5e-4], np.float16).view(np.uint8), 2)  # d, dmin: weights of ~0.05 as above
+        ref = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_K).reshape(n, 256).astype(np.float32))
+        return QuantWeight.from_gguf(type_name, raw, (n, 256)), ref
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(n, k, generator=g) * 0.05).numpy()
     w[3, :32] *= 40  # an outlier block: per-block scales keep the other blocks fine

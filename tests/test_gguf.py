@@ -406,3 +406,40 @@ def test_llama3_rope_freqs(tmp_path):
     m = load_gguf(str(path))
     assert m.config["rope_scaling"] == scaling
     assert list(m.tensors()) == []  # not a model parameter
+
+
+def test_q4_k_runs_on_the_block_kernels(tmp_path):
+    """A Q4_K_M-style file: Q4_K matrices are read by the block kernels (as eight Q4_1-style blocks a
+    super-block, the same weights) and give the float path's tokens and logits."""
+    from ops import cpu_kernels
+    from xinfer import Engine, EngineConfig, SamplingParams
+    if not cpu_kernels.available():
+        pytest.skip("the CPU block kernels do not build here")
+    rng = np.random.default_rng(3)
+    hidden, heads, kv, ff = 256, 4, 2, 512
+    meta = _dims("llama", hidden, heads, kv, ff) | _byte_level_vocab()
+    vocab = len(meta["tokenizer.ggml.tokens"])
+    small = lambda *s: (rng.standard_normal(s) * 0.05).astype(np.float32)  # noqa: E731
+    tensors = {"token_embd.weight": (small(vocab, hidden), Q.F32), "output.weight": (small(vocab, hidden), Q.Q8_0),
+               "output_norm.weight": (np.ones(hidden, np.float32), Q.F32),
+               "blk.0.attn_norm.weight": (np.ones(hidden, np.float32), Q.F32),
+               "blk.0.ffn_norm.weight": (np.ones(hidden, np.float32), Q.F32)}
+    for name, (n, k) in {"attn_q": (hidden, hidden), "attn_k": (kv * 64, hidden), "attn_v": (kv * 64, hidden),
+                         "attn_output": (hidden, hidden), "ffn_gate": (ff, hidden), "ffn_up": (ff, hidden),
+                         "ffn_down": (hidden, ff)}.items():
+        raw = _random_k_blocks(rng, Q.Q4_K, n, k)
+        raw.reshape(n, -1, 144)[..., 0:4] = np.tile(np.array([4e-4], np.float16).view(np.uint8), 2)
+        tensors[f"blk.0.{name}.weight"] = (raw, Q.Q4_K)
+    path = tmp_path / "q4k.gguf"
+    _write(path, "llama", meta, tensors)
+    prompt, params = [5, 80, 200, 31, 7], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    runs = {}
+    for mode in ("gguf", "none"):
+        e = Engine(EngineConfig(model=str(path), quantization=mode, cpu_matmul="float32", num_kv_blocks=32,
+                                block_size=4), log_level="warning")
+        lin = e.runner.model.model.layers[0].self_attn.qkv_proj
+        assert (lin.blocks is not None) == (mode == "gguf")
+        lps = e.runner.log_probs(prompt)
+        runs[mode] = (e.generate([prompt], params)[0].token_ids, lps)
+    assert runs["gguf"][0] == runs["none"][0]
+    assert (runs["gguf"][1] - runs["none"][1]).abs().max() < 1e-4

@@ -27,8 +27,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("xinfer.loader.gguf")
 
-# GGUF block types the CPU kernels read (ops/quant.py) -> bytes per 32-weight block
-BLOCK_TYPES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+# GGUF block types the CPU kernels read (ops/quant.py) -> (weights, bytes) per block. Q4_K's
+# super-blocks are read as eight 32-weight Q4_1-style blocks, each with its own d and m.
+BLOCK_TYPES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144)}
 
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.((?:nextn\.)?\w+)\.(weight|bias)")  # nextn: an MTP depth's own
 _GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")

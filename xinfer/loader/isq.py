@@ -141,7 +141,7 @@ def _read_cache(path: Path, want: dict, params: dict) -> dict | None:
     from xinfer.loader.gguf import BLOCK_TYPES
     for name, (_, f) in want.items():
         shape = tuple(params[name].shape)
-        if name not in got or tuple(got[name].shape) != (shape[0], shape[1] // 32 * BLOCK_TYPES[f.upper()]):
+        if name not in got or tuple(got[name].shape) != (shape[0], shape[1] // 32 * BLOCK_TYPES[f.upper()][1]):
             return None
     return got
 
