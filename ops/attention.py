@@ -35,6 +35,12 @@ class AttnMetadata:
     query_lens: list[int]  # host copies, so backends never sync on them
     kv_lens: list[int]
     block_size: int
+    # Hybrid models: each sequence's slot in the recurrent-state pool (xinfer/hybrid.py); None: slot
+    # i for sequence i (a runner with one sequence alone, as log_probs)
+    state_slots: list[int] | None = None
+    # and where to snapshot that state (prefix caching): per sequence, (tokens into its row, snapshot
+    # slot) pairs; None: nowhere
+    state_snapshots: list[list[tuple[int, int]]] | None = None
     # Backend-private values derived once per step and reused by every layer.
     cache: dict = field(default_factory=dict)
 

@@ -102,7 +102,10 @@ def cmd_serve(args) -> int:
                        keep_alive_timeout=args.keep_alive_timeout, request_read_timeout=args.request_read_timeout,
                        max_connections_per_client=args.max_connections_per_client,
                        mcp_servers=mcp_servers, mcp_max_rounds=args.mcp_max_rounds, mcp_timeout=args.mcp_timeout,
-                       embedding_model=args.embedding_model, embedding_pooling=args.embedding_pooling)
+                       embedding_model=args.embedding_model, embedding_pooling=args.embedding_pooling,
+                       allowed_media_domains=args.allowed_media_domains,
+                       allowed_local_media_path=args.allowed_local_media_path, max_image_bytes=args.max_image_bytes,
+                       media_fetch_timeout=args.media_fetch_timeout, limit_mm_per_prompt=args.limit_mm_per_prompt)
     return launch(engine_config(args), args.host, args.port, args.log_level, args.max_queued_requests,
                   args.drain_timeout, args.startup_timeout, api_options)
 
@@ -218,6 +221,13 @@ def main(argv=None) -> int:
     s.add_argument("--embedding-model", default=None, metavar="PATH",
                    help="an HF folder of a BERT-style encoder (e.g. all-MiniLM-L6-v2) that serves /v1/embeddings, "
                         "in the API process on the CPU; default: the served model's pooled hidden states")
+    s.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                   help="hosts whose http(s) image URLs the server fetches (default: none; data: URLs always work)")
+    s.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="a folder whose image files requests may name by path (default: none)")
+    s.add_argument("--max-image-bytes", type=int, default=20 << 20, help="largest image accepted, in bytes")
+    s.add_argument("--media-fetch-timeout", type=float, default=10.0, help="seconds to fetch one image URL")
+    s.add_argument("--limit-mm-per-prompt", type=int, default=4, help="most images in one request")
     s.add_argument("--embedding-pooling", default="mean", choices=["mean", "cls"],
                    help="--embedding-model's pooling: mean over the tokens, or the [CLS] token")
     s.add_argument("--ui-server", action="store_true",

@@ -43,6 +43,10 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # exact KV cache size in blocks (tests); overrides the two above
     enable_prefix_cache: bool = True
     prefix_cache_max_tokens: int | None = None  # cap on tokens kept for reuse; None: the whole cache
+    # Hybrid (linear-attention) models: recurrent-state snapshots kept for prefix-cache hits to resume
+    # from (xinfer/hybrid.py), each the size of one sequence's state; None: --max-num-seqs; 0: none
+    # (prefix caching off for them)
+    hybrid_state_snapshots: int | None = None
     seed: int = 0
     max_restarts: int = 5  # child restarts (worker by recompute, detokenizer/parser) allowed ...
     restart_window: float = 300.0  # ... within this many seconds, before the engine gives up

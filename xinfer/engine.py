@@ -14,6 +14,9 @@ from xinfer.engine_core import Delta, EngineCore
 from xinfer.errors import InvalidRequestError
 from xinfer.ipc.topology import Topology
 from xinfer.loader import load_model_info
+from xinfer.mm import processor_for
+from xinfer.mm.base import PromptImageError
+from xinfer.mm.chat import chat_prompt
 from xinfer.sampling_params import SamplingParams, check_request, embedding_params, tokenize_bad_words
 from xinfer.scheduler import Sequence
 from xinfer.structured import check as check_structured
@@ -51,6 +54,7 @@ class Engine:
         config.resolve_quantization(info.kind == "gguf" and info.gguf.quantized)
         spec.check(config, info)
         self.tokenizer = info.tokenizer
+        self.vision = processor_for(info.config)  # a vision model's image processor, else None
         self.vocab_size = info.config["vocab_size"]
         if worker == "process":
             topology = Topology.create()
@@ -83,7 +87,8 @@ class Engine:
             check_structured(params.structured)
         check_request(ids, params, self.vocab_size, self.max_model_len, self.core.blocks.num_blocks,
                       self.config.block_size)
-        seqs = self.core.add_request(request_id or f"req-{next(self.core._ids)}", ids, params)
+        seqs = self.core.add_request(request_id or f"req-{next(self.core._ids)}", ids, params,
+                                     getattr(prompt, "images", None))
         if self.tokenizer is not None:
             for s in seqs:
                 self._detok[s.seq_id] = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
@@ -172,7 +177,10 @@ class Engine:
     def chat(self, conversations, params=None, **template_kwargs) -> list[RequestOutput]:
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        prompts = [self.tokenizer.encode_chat(c, **template_kwargs) for c in conversations]
+        try:  # content parts may hold images (PIL, paths, data: URLs) for a vision model
+            prompts = [chat_prompt(self.tokenizer, self.vision, c, **template_kwargs) for c in conversations]
+        except PromptImageError as e:
+            raise InvalidRequestError(str(e)) from None
         return self.generate(prompts, params)
 
     def _output(self, seq: Sequence, text: str) -> RequestOutput:

@@ -17,7 +17,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from xinfer import spec
+from xinfer import hybrid, spec
 from xinfer.config import EngineConfig
 from xinfer.ipc.api import Stats
 from xinfer.kv_cache import BlockManager
@@ -57,10 +57,11 @@ class EngineCore:
             log.info("max_model_len %d capped to %d: what the KV cache holds for one sequence",
                      config.max_model_len, cap)
         self.max_model_len = min(config.max_model_len, cap)
-        self.blocks = BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_cache,
-                                   config.prefix_cache_max_tokens)
+        slots = hybrid.setup(config, info.config)  # a hybrid model's recurrent-state slots, else None
+        cache = config.enable_prefix_cache and (slots is None or slots.snapshots > 0)  # hybrids: hits need snapshots
+        self.blocks = BlockManager(runner.num_blocks, config.block_size, cache, config.prefix_cache_max_tokens)
         self.scheduler = Scheduler(config, self.blocks, self.max_model_len, info.eos_token_ids,
-                                   spec.method(config, info.config))
+                                   spec.method(config, info.config), slots)
         self._spec_logged = (time.monotonic(), 0, 0, 0)  # when, and the counters then
         self.restart_budget = RestartBudget(config.max_restarts, config.restart_window)
         self._ids = itertools.count()
@@ -72,11 +73,13 @@ class EngineCore:
         self.num_prompt_tokens = self.num_generation_tokens = self.num_cached_prompt_tokens = 0
 
     # ---- requests ----
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> list[Sequence]:
-        """Queue one checked request; returns its n choices."""
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    images: list | None = None) -> list[Sequence]:
+        """Queue one checked request; returns its n choices. `images`: the prompt's ImageData."""
         max_tokens = self.max_model_len - len(prompt_ids) if params.max_tokens is None else params.max_tokens
         seqs = [Sequence(next(self._ids), request_id, list(prompt_ids), params,
-                         None if params.seed is None else (params.seed + i) & SEED_MASK, max_tokens, index=i)
+                         None if params.seed is None else (params.seed + i) & SEED_MASK, max_tokens, index=i,
+                         images=list(images or ()))
                 for i in range(params.n)]
         if max_tokens == 0 and params.prompt_logprobs is None and not params.embed:
             for s in seqs:

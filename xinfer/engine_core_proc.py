@@ -237,7 +237,7 @@ class EngineCoreProc:
         caught here, and answered with an error instead of taking the process down."""
         try:
             ids = unpack_ids(msg.prompt_ids)
-            seqs = self.core.add_request(msg.request_id, ids, msg.params)
+            seqs = self.core.add_request(msg.request_id, ids, msg.params, msg.images)
         except Exception as e:
             log.warning("request %s refused: %s", msg.request_id, e)
             self.push.send(self.tx.encode(RequestError(msg.request_id, str(e))))

@@ -70,6 +70,15 @@ def onednn() -> bool:
     return os.environ.get("XINFER_ONEDNN", "1") != "0"
 
 
+def mamba_snapshot_stride_blocks() -> int:
+    """XINFER_MAMBA_SNAPSHOT_STRIDE_BLOCKS: hybrid models with prefix caching snapshot a sequence's
+    recurrent state every this many full blocks (default 1; xinfer/hybrid.py)."""
+    v = int(os.environ.get("XINFER_MAMBA_SNAPSHOT_STRIDE_BLOCKS") or 1)
+    if v < 1:
+        raise ValueError(f"XINFER_MAMBA_SNAPSHOT_STRIDE_BLOCKS must be at least 1, not {v}")
+    return v
+
+
 def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 

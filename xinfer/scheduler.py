@@ -51,6 +51,17 @@ class Sequence:
     error: str | None = None  # why it ended with finish_reason "error"
     grammar: object = None  # structured outputs: its xgrammar matcher, advanced with every token
     embedding: bytes = b""  # params.embed: the pooled vector (float32 bytes) once its prompt ran
+    state_slot: int = -1  # hybrid models: its recurrent-state slot while on the worker (xinfer/hybrid.py)
+    images: list = field(default_factory=list)  # the prompt's ImageData (xinfer/ipc/media.py)
+
+    @property
+    def cache_keys(self) -> list:
+        """What the prefix cache hashes: the tokens, an image's placeholders as (its content hash,
+        index) pairs, so two images never share KV."""
+        keys = self.tokens
+        for im in self.images:
+            keys[im.offset:im.offset + im.length] = [(im.hash, j) for j in range(im.length)]
+        return keys
 
     @property
     def tokens(self) -> list[int]:
@@ -63,8 +74,9 @@ class Sequence:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, blocks: BlockManager, max_model_len: int, eos_ids: list[int],
-                 spec_method: str | None = None):
+                 spec_method: str | None = None, state_slots=None):
         self.config = config
+        self.slots = state_slots  # hybrid.StateSlots, or None: the model keeps no recurrent state
         self.spec_method = spec_method  # speculative decoding: "ngram", "draft", or None (off)
         self.num_draft_tokens = self.num_accepted_tokens = self.num_spec_steps = 0
         self.bm = blocks
@@ -166,15 +178,20 @@ class Scheduler:
             self.running.append(seq)
             if not seq.on_worker:
                 seq.on_worker = True
+                if self.slots is not None:
+                    seq.state_slot = self.slots.take()
                 new_seqs.append(NewSeq(seq.seq_id, pack_ids(seq.tokens), len(seq.prompt_ids), seq.num_computed,
-                                       list(seq.block_ids), seq.params, seq.seed))
+                                       list(seq.block_ids), seq.params, seq.seed, seq.state_slot,
+                                       seq.images))
                 new_blocks = []
             scheduled.append((seq, n, new_blocks, 0, b""))
             budget -= n
 
         self._step += 1
+        # hybrids: the recurrent-state snapshots this step restores and captures (xinfer/hybrid.py)
+        states = {} if self.slots is None else self.slots.plan(scheduled, new_seqs, self.bm.block_size, self.bm.cached)
         plan = StepPlan(self._step, new_seqs, [Scheduled(s.seq_id, n, b, k, d) for s, n, b, k, d in scheduled],
-                        self._dropped)
+                        self._dropped, **states)
         self._dropped = []
         self._inflight = scheduled
         return plan
@@ -201,10 +218,13 @@ class Scheduler:
         return got
 
     def _match_prefix(self, seq: Sequence) -> None:
-        blocks, hashes = self.bm.match_prefix(seq.tokens)
+        blocks, hashes = self.bm.match_prefix(seq.cache_keys)
         # Recompute at least the last token: its logits are what we sample from.
         while blocks and len(blocks) * self.bm.block_size >= seq.num_tokens:
             blocks.pop(), hashes.pop()
+        if self.slots is not None:  # a hybrid resumes from a recurrent-state snapshot: cut back to one
+            k = self.slots.resume(seq.seq_id, hashes)
+            blocks, hashes = blocks[:k], hashes[:k]
         self.bm.acquire(blocks)
         seq.block_ids, seq.block_hashes = list(blocks), list(hashes)
         seq.num_computed = len(blocks) * self.bm.block_size
@@ -225,6 +245,9 @@ class Scheduler:
         if seq.on_worker:
             self._dropped.append(seq.seq_id)
             seq.on_worker = False
+        if seq.state_slot >= 0:  # its recurrent state goes with its KV: a recompute rebuilds both
+            self.slots.give(seq.state_slot)
+            seq.state_slot = -1
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.status == RUNNING:
@@ -250,6 +273,8 @@ class Scheduler:
             self._release(seq)
         self._dropped = []
         self.bm.forget_cached()
+        if self.slots is not None:
+            self.slots.forget()
 
     # ---- results ----
     def update(self, result: StepResult) -> list[tuple[Sequence, list[int] | None]]:
@@ -276,6 +301,8 @@ class Scheduler:
                     del seq.block_ids[keep:]
                 self._register_full_blocks(seq)
         self._inflight = []
+        if self.slots is not None:
+            self.slots.commit()
         for sid, first, entries in result.prompt_logprobs:
             seq = self.seqs.get(sid)
             if seq is not None and len(seq.prompt_logprobs) + 1 == first:  # not again after a recompute
@@ -329,7 +356,7 @@ class Scheduler:
         full = seq.num_computed // bs
         toks = None
         for i in range(len(seq.block_hashes), full):
-            toks = toks or seq.tokens
+            toks = toks or seq.cache_keys
             h = block_hash(seq.block_hashes[-1] if seq.block_hashes else None, toks[i * bs:(i + 1) * bs])
             self.bm.register(seq.block_ids[i], h)
             seq.block_hashes.append(h)
@@ -339,7 +366,8 @@ class Scheduler:
         if not parent.children:
             return
         bs = self.bm.block_size
-        k = (len(parent.prompt_ids) - 1) // bs if parent.status == RUNNING else 0
+        # a hybrid's blocks hold no recurrent state: its siblings go through the prefix cache's snapshots
+        k = (len(parent.prompt_ids) - 1) // bs if parent.status == RUNNING and self.slots is None else 0
         for child in reversed(parent.children):
             if k:
                 child.block_ids = parent.block_ids[:k]

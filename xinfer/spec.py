@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from xinfer import hybrid
 from xinfer.errors import ModelLoadError
 
 METHODS = ("ngram", "draft", "mtp")
@@ -43,6 +44,7 @@ def method(config, model_cfg: dict) -> str | None:
 
 def check(config, info) -> None:
     """Start-up checks of the speculative settings against the model (and the draft model's files)."""
+    hybrid.check(config, info.config)
     m = method(config, info.config)
     if m is None:
         return

@@ -27,6 +27,7 @@ from xinfer.config import EngineConfig
 from xinfer.errors import InvalidRequestError
 from xinfer.ipc.topology import Topology
 from xinfer.loader import load_model_info
+from xinfer.mm import processor_for
 from xinfer.parsers import choose_tool_parser, reasoning_markers
 
 log = logging.getLogger("xinfer.api")
@@ -136,7 +137,8 @@ def _load_state(config: EngineConfig, opts: ApiOptions, max_queued_requests: int
     s = ApiState(opts=opts, tok=tok, model_names=names,
                     vocab_size=info.config["vocab_size"], template=template, tool_parser=tool_parser,
                     markers=markers, strs=TokenStrings(tok), metrics=Metrics(names[0]), config=config,
-                    max_queued_requests=max_queued_requests, hidden_size=info.config.get("hidden_size") or 0)
+                    max_queued_requests=max_queued_requests, hidden_size=info.config.get("hidden_size") or 0,
+                    vision=processor_for(info.config))
     if opts.embedding_model:  # torch comes into the API process with it, and only then
         from xinfer.api.embed_batcher import EmbedBatcher
         from xinfer.embedding_model import EmbeddingModel

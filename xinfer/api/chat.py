@@ -7,6 +7,7 @@ from sanic import Sanic
 
 from xinfer.api import mcp_chat
 from xinfer.api.constraints import after_reasoning, checked, for_tools, requested
+from xinfer.api.media import load_images, with_images
 from xinfer.api.protocol import chat_text, parse_tools, sampling_params
 from xinfer.api.schema import ChatRequest
 from xinfer.api.state import ApiState
@@ -36,8 +37,9 @@ def prepare(s: ApiState, body: ChatRequest, params) -> tuple[list[int], ParseSpe
     request's grammar (params.structured) for a forced tool call or a structured output."""
     s.need_tokenizer()
     tools, choice = parse_tools(body)
+    images = load_images(s, body) if s.vision is not None else []
     text = chat_text(s.tok, body, tools, not s.opts.disable_reasoning, describe_tools=choice is not None,
-                     trust_template=s.opts.trust_request_chat_template)
+                     trust_template=s.opts.trust_request_chat_template, images=s.vision is not None)
     spec = ParseSpec(reasoning=s.markers, id_prefix="call_" + uuid.uuid4().hex[:24])
     tool_grammar, asked = None, requested(body)
     if choice is not None:
@@ -60,4 +62,5 @@ def prepare(s: ApiState, body: ChatRequest, params) -> tuple[list[int], ParseSpe
     if so is not None and spec.in_reasoning:
         so = after_reasoning(so, s.markers[1])
     params.structured = checked(so)
-    return s.tok.encode(text, add_special_tokens=False), spec
+    ids = s.tok.encode(text, add_special_tokens=False)
+    return (ids if s.vision is None else with_images(s, ids, images)), spec

@@ -78,7 +78,9 @@ class EngineClient:
         stop_after_call = parse is not None and parse.single_call and not parse.held  # held: the grammar ends it
         getter = None
         try:
-            await self.push.send(self.tx.encode(GenerateRequest(request_id, pack_ids(prompt_ids), params, parse)))
+            images = list(getattr(prompt_ids, "images", ()))  # a chat prompt's (xinfer/api/media.Prompt)
+            request = GenerateRequest(request_id, pack_ids(prompt_ids), params, parse, images)
+            await self.push.send(self.tx.encode(request))
             while remaining:
                 # Not asyncio.wait_for: on Python 3.11 it swallows a cancel that lands as an item
                 # arrives, and a client that went away would never abort its request.

@@ -57,8 +57,11 @@ def register(app: Sanic, s: ApiState, protected) -> None:
 
 
 def _model_card(s: ApiState) -> dict:
-    return {"id": s.model_name, "object": "model", "created": 0, "owned_by": "xinfer",
+    card = {"id": s.model_name, "object": "model", "created": 0, "owned_by": "xinfer",
             "max_model_len": s.max_model_len}
+    if s.vision is not None:  # the chat page shows its image button for these
+        card["input_modalities"] = ["text", "image"]
+    return card
 
 
 def _embedder_card(s: ApiState) -> dict:

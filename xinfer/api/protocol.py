@@ -138,19 +138,24 @@ def parse_tools(body) -> tuple[list[dict] | None, str | None]:
 
 
 def chat_text(tok, body, tools: list[dict] | None, thinking_default: bool, describe_tools: bool = True,
-              trust_template: bool = False) -> str:
+              trust_template: bool = False, images: bool = False) -> str:
     """The request's messages rendered by the model's chat template (or the request's own, with
     `trust_template`); `describe_tools`: tell a model whose template ignores tools about them (not
-    when tool_choice is "none")."""
+    when tool_choice is "none"); `images`: the model takes image parts (the template places them)."""
     norm = []
     for i, m in enumerate(body.messages):
         content = m.content
         if isinstance(content, list):  # content parts: only text is understood by a text model
-            bad = next((p.type for p in content if p.type != "text"), None)
+            known = ("text", "image_url", "image_base64") if images else ("text",)
+            bad = next((p.type for p in content if p.type not in known), None)
             if bad is not None:
                 raise ApiError(f"messages[{i}]: content parts of type {bad!r} are not supported by this "
-                               "model (text only)", param="messages")
-            content = "".join(p.text or "" for p in content)
+                               f"model ({'text and images' if images else 'text'} only)", param="messages")
+            if any(p.type != "text" for p in content):  # as HF processors hand parts to the template
+                content = [{"type": "text", "text": p.text or ""} if p.type == "text" else {"type": "image"}
+                           for p in content]
+            else:
+                content = "".join(p.text or "" for p in content)
         msg = {**msgspec.to_builtins(m), "content": content or ""}
         if m.tool_calls:
             msg["tool_calls"] = _history_calls(m.tool_calls, i)

@@ -44,9 +44,16 @@ class Body(Struct, kw_only=True):
 # Fields only passed through to the template are UNSET when absent, so the template sees the
 # message as sent (to_builtins leaves UNSET out).
 
+class ImageUrl(Struct, kw_only=True):
+    url: str
+    detail: str | None = None  # taken and ignored: the processor decides the resolution
+
+
 class ContentPart(Struct, kw_only=True):
-    type: str  # only "text" is understood by a text model: the rest are a 400 with their type
+    type: str  # "text"; "image_url" and "image_base64" for a vision model (xinfer/api/media.py); else a 400
     text: str | None = None
+    image_url: str | ImageUrl | None = None  # OpenAI's object, or the URL as a string
+    image_base64: str | None = None  # a data: URL
 
 
 class FunctionCall(Struct, kw_only=True):

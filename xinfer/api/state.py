@@ -45,6 +45,12 @@ class ApiOptions:
     mcp_timeout: float = 30.0  # seconds per MCP tool call
     embedding_model: str | None = None  # an HF encoder folder that serves /v1/embeddings; None: the served model
     embedding_pooling: str = "mean"  # its pooling: mean or cls
+    # images in chat requests (xinfer/api/media.py): data: URLs always; http(s) and files only where allowed
+    allowed_media_domains: list[str] | None = None  # hosts image URLs may be fetched from; None: no fetching
+    allowed_local_media_path: str | None = None  # a folder image file paths may name; None: no files
+    max_image_bytes: int = 20 << 20
+    media_fetch_timeout: float = 10.0  # seconds for one image URL
+    limit_mm_per_prompt: int = 4  # images in one request
     # HTTP-level limits (xinfer/api/guard.py)
     allowed_hosts: list[str] | None = None  # None: loopback names when bound to loopback, else any
     allowed_origins: list[str] = field(default_factory=list)  # cross-origin pages allowed to POST ("*": any)
@@ -74,6 +80,7 @@ class ApiState:
     launched: bool = False  # under the supervisor: its SIGUSR1 says every process is ready
     mcp: object = None  # the running MCP servers (xinfer/api/mcp_servers.Servers), made when the server starts
     embedder: object = None  # --embedding-model's EmbedBatcher (xinfer/api/embed_batcher.py); None: not given
+    vision: object = None  # a vision model's image processor (xinfer/mm/); None: the model takes text only
 
     async def offload(self, fn, *args):
         """Run heavy work (templates, tokenizing, large responses) off the event loop, at most

@@ -4,6 +4,7 @@ from __future__ import annotations
 import msgspec
 from sanic import Sanic, response
 
+from xinfer.api.media import load_images, with_images
 from xinfer.api.protocol import ApiError, chat_text, decode, parse_tools
 from xinfer.api.schema import DetokenizeRequest, TokenizeRequest
 from xinfer.api.state import ApiState
@@ -48,9 +49,12 @@ def _tokenize(s: ApiState, body: TokenizeRequest) -> bytes:
     tok, special = s.tok, body.add_special_tokens
     if body.messages is not None:
         tools, _ = parse_tools(body)
+        images = load_images(s, body) if s.vision is not None else []
         text = chat_text(tok, body, tools, not s.opts.disable_reasoning,
-                         trust_template=s.opts.trust_request_chat_template)
+                         trust_template=s.opts.trust_request_chat_template, images=s.vision is not None)
         ids = tok.encode(text, add_special_tokens=bool(special))
+        if s.vision is not None:  # image tokens count as the engine counts them
+            ids = list(with_images(s, ids, images))
     else:
         ids = tok.encode(body.prompt, add_special_tokens=special is not False)
     out = {"count": len(ids), "max_model_len": s.max_model_len, "tokens": ids}

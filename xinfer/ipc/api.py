@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import msgspec
 
+from xinfer.ipc.media import ImageData
 from xinfer.ipc.text import ParseSpec
 from xinfer.sampling_params import SamplingParams
 
@@ -12,6 +13,7 @@ class GenerateRequest(msgspec.Struct, array_like=True, tag="gen"):
     prompt_ids: bytes  # int32 token ids
     params: SamplingParams
     parse: ParseSpec | None = None
+    images: list[ImageData] = []  # the prompt's images, their placeholders already expanded in prompt_ids
 
 
 class Abort(msgspec.Struct, array_like=True, tag="abort"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
+from xinfer.ipc.media import ImageData
 from xinfer.sampling_params import SamplingParams
 
 
@@ -28,6 +29,8 @@ class NewSeq(msgspec.Struct, array_like=True):
     block_ids: list[int]
     params: SamplingParams
     seed: int | None  # this sequence's seed (n > 1 siblings get distinct ones)
+    state_slot: int = -1  # hybrid models: its slot in the worker's recurrent-state pool (xinfer/hybrid.py)
+    images: list[ImageData] = []  # the prompt's images (xinfer/ipc/media.py)
 
 
 class Scheduled(msgspec.Struct, array_like=True):
@@ -50,6 +53,11 @@ class StepPlan(msgspec.Struct, array_like=True, tag="plan"):
     # tokens as int32 bitmask rows (ceil(vocab / 32) words each, bit set: allowed), in that order
     mask_seq_ids: list[int] = []
     masks: bytes = b""
+    # Hybrid models (xinfer/hybrid.py): before the step, copy snapshot slot -> the new sequence's state
+    # slot (seq id, snapshot slot); during it, copy the sequence's state after `position` tokens into
+    # the snapshot slot (seq id, position, snapshot slot)
+    state_restores: list[tuple[int, int]] = []
+    state_snapshots: list[tuple[int, int, int]] = []
 
 
 class StepResult(msgspec.Struct, array_like=True, tag="result"):

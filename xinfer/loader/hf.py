@@ -77,6 +77,13 @@ def load_config(folder: str) -> dict:
     if "text_config" in cfg and "hidden_size" not in cfg:
         text = dict(cfg["text_config"])
         text.setdefault("architectures", cfg.get("architectures"))
+        if "tie_word_embeddings" in cfg:  # the wrapper's says (transformers ties by it, not text_config's)
+            text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+        # the rest (vision_config, image token ids) and the image processor's settings, for xinfer/mm
+        mm = {k: v for k, v in cfg.items() if k != "text_config"}
+        pre = Path(folder) / "preprocessor_config.json"
+        mm["preprocessor"] = read_json(pre) if pre.is_file() else {}
+        text["_mm"] = mm
         cfg = text
     return cfg
 

@@ -24,6 +24,8 @@ class WorkerSeq:
     pool_sum: torch.Tensor | None = None  # params.embed with mean pooling: float32 sum of the rows so far
     draft_computed: int = 0  # --speculative-method draft: tokens in the draft model's KV cache
     mtp_hidden: torch.Tensor | None = None  # --speculative-method mtp: the MTP head's last output [1, H]
+    state_slot: int = -1  # hybrid models: its recurrent-state slot (xinfer/hybrid.py)
+    mm: object = None  # a prompt with images: its workers/mm.SeqImages
 
 
 def drafted(ws: WorkerSeq, drafts: list[int]) -> list[WorkerSeq]:
@@ -31,10 +33,12 @@ def drafted(ws: WorkerSeq, drafts: list[int]) -> list[WorkerSeq]:
     return [ws] + [dataclasses.replace(ws, tokens=ws.tokens + drafts[:j]) for j in range(1, len(drafts) + 1)]
 
 
-def forward(model, backend, device, block_size: int, rows: list[tuple[list[int], int, list[int]]], **inputs):
+def forward(model, backend, device, block_size: int, rows: list[tuple[list[int], int, list[int]]],
+            state_slots: list[int] | None = None, state_snapshots=None, **inputs):
     """Hidden states of `rows` (block ids, position of the first token, tokens), one sequence each,
     appended to what their KV cache holds before those positions. `inputs`: more per-row inputs of
-    the model's (the MTP head's target hidden states)."""
+    the model's (the MTP head's target hidden states). `state_slots`: each row's recurrent-state slot
+    (hybrid models), `state_snapshots` where to copy it (xinfer/hybrid.py row_snapshots)."""
     bs = block_size
     ids, pos, slots, qlens, kvlens = [], [], [], [], []
     for blocks, start, toks in rows:
@@ -53,7 +57,8 @@ def forward(model, backend, device, block_size: int, rows: list[tuple[list[int],
         seq_lens=torch.tensor(kvlens, dtype=torch.int32, device=device),
         block_tables=torch.from_numpy(table).to(device),
         slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device),
-        query_lens=qlens, kv_lens=kvlens, block_size=bs)
+        query_lens=qlens, kv_lens=kvlens, block_size=bs, state_slots=state_slots,
+        state_snapshots=state_snapshots)
     set_context(meta, backend)
     try:
         return model(torch.tensor(ids, dtype=torch.long, device=device), torch.from_numpy(np.concatenate(pos)).to(device),

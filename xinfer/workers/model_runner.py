@@ -13,7 +13,7 @@ from ops.attention import get_backend
 from ops.quant import max_rows
 from ops.sampling import sample
 from ops.speculative import verify
-from xinfer import spec
+from xinfer import hybrid, spec
 from xinfer.config import EngineConfig
 from xinfer.ipc.step import StepPlan, StepResult, pack_ids, unpack_ids
 from xinfer.loader import ModelInfo, load_model_info
@@ -22,6 +22,7 @@ from xinfer.loader.weights import build_model
 from xinfer.models.layers import attach_bf16, attach_blocks
 from xinfer.workers.batch import WorkerSeq, drafted, forward, sampling_batch
 from xinfer.workers.drafter import Drafter
+from xinfer.workers.mm import VisionInputs
 from xinfer.workers.mtp import MtpDrafter
 
 log = logging.getLogger("xinfer.worker")
@@ -33,7 +34,7 @@ def kv_bytes_per_token(cfg: dict, dtype: torch.dtype | str) -> int:
         return cfg["num_hidden_layers"] * kv_quant.head_bytes(cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"], dtype)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    return 2 * cfg["num_hidden_layers"] * kv_heads * kv_quant.head_bytes(head_dim, dtype)
+    return 2 * hybrid.num_kv_layers(cfg) * kv_heads * kv_quant.head_bytes(head_dim, dtype)
 
 
 def num_kv_blocks(config: EngineConfig, cfg: dict, dtype: torch.dtype, device: torch.device,
@@ -87,9 +88,17 @@ class ModelRunner:
         self.num_blocks = num_blocks or config.num_kv_blocks or num_kv_blocks(config, cfg, self.dtype,
                                                                                self.device, draft_cfg)
         self._alloc_kv(self.model)
+        if hasattr(self.model, "alloc_state"):  # hybrids: the linear-attention layers' recurrent state
+            snaps = hybrid.num_snapshots(config)
+            nbytes = self.model.alloc_state(config.max_num_seqs + snaps, self.device)
+            log.info("recurrent-state pool: %d slots (--max-num-seqs) and %d prefix-cache snapshots, %.2f GiB",
+                     config.max_num_seqs, snaps, nbytes / (1 << 30))
         if self.drafter is not None:
             self._alloc_kv(self.drafter.model)  # a draft model or the MTP head
         self.seqs: dict[int, WorkerSeq] = {}
+        # a vision-language model: images' positions, encoder runs and embeddings (xinfer/workers/mm.py)
+        has_vision = hasattr(self.model, "encode_images")
+        self.vision = VisionInputs(self.model, self.device) if has_vision else None
 
     def _build(self, info: ModelInfo, cfg: dict):
         """The model with its fast CPU weights: GGUF blocks (a quantized GGUF's own, or --isq's for
@@ -140,7 +149,11 @@ class ModelRunner:
             self.seqs.pop(sid, None)
         for ns in plan.new_seqs:
             self.seqs[ns.seq_id] = WorkerSeq(unpack_ids(ns.token_ids), ns.num_prompt_tokens, ns.num_computed,
-                                             list(ns.block_ids), ns.params, ns.seed)
+                                             list(ns.block_ids), ns.params, ns.seed, state_slot=ns.state_slot)
+            if ns.images and self.vision is not None:
+                self.seqs[ns.seq_id].mm = self.vision.new_seq(ns.num_prompt_tokens, ns.images)
+        for sid, snap in plan.state_restores:  # a prefix-cache hit: the state at its last block
+            self.model.copy_state(snap, self.seqs[sid].state_slot)
         for s in plan.scheduled:
             if s.new_block_ids:
                 self.seqs[s.seq_id].block_ids.extend(s.new_block_ids)
@@ -184,7 +197,11 @@ class ModelRunner:
             if end == len(ws.tokens):  # caught up: this step yields the next token (and verifies drafts)
                 sample_rows.extend(range(n - len(d) - 1, n))
                 sample_seqs.append(s.seq_id)
-        hidden = forward(self.model, self.backend, self.device, self.block_size, rows)
+        mm = {} if self.vision is None else {"mm": self.vision.inputs([self.seqs[s.seq_id] for s in plan.scheduled],
+                                                                      rows)}
+        hidden = forward(self.model, self.backend, self.device, self.block_size, rows,
+                         [self.seqs[s.seq_id].state_slot for s in plan.scheduled],
+                         hybrid.row_snapshots(plan, self.seqs), **mm)
         for s in plan.scheduled:
             self.seqs[s.seq_id].num_computed += s.num_tokens
         prompt_lps = self._prompt_logprobs(hidden, scored) if scored else []
