@@ -86,6 +86,25 @@ class QuantWeight:
         return QuantWeight(parts[0].kind, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m,
                            (sum(p.shape[0] for p in parts), parts[0].shape[1]))
 
+    def narrow(self, dim: int, start: int, count: int) -> "QuantWeight":
+        """Rows, or whole 32-weight blocks of columns (a tensor-parallel rank's part)."""
+        n, k = self.shape
+        if dim == 0:
+            sl, shape = (slice(start, start + count), slice(None)), (count, k)
+            part = lambda t: t[sl].contiguous()  # noqa: E731
+            return self._like(part(self.qs), part(self.d), None if self.m is None else part(self.m), shape)
+        if start % 32 or count % 32:
+            raise ValueError(f"columns {start}:{start + count} cut a 32-weight block")
+        per = self.qs.shape[1] // (k // 32)  # bytes of a block in qs
+        b0, b1 = start // 32, (start + count) // 32
+        m = None if self.m is None else self.m[:, b0:b1].contiguous()
+        return self._like(self.qs[:, b0 * per:b1 * per].contiguous(), self.d[:, b0:b1].contiguous(), m, (n, count))
+
+    def _like(self, qs, d, m, shape) -> "QuantWeight":
+        q = QuantWeight(self.kind, qs, d, m, shape)
+        q.bf16 = self.bf16
+        return q
+
     def dequantize(self) -> torch.Tensor:
         n, k = self.shape
         if self.kind == "q8":

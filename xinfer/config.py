@@ -47,6 +47,9 @@ class EngineConfig:
     # from (xinfer/hybrid.py), each the size of one sequence's state; None: --max-num-seqs; 0: none
     # (prefix caching off for them)
     hybrid_state_snapshots: int | None = None
+    # Tensor parallel (xinfer/parallel.py): worker processes (ranks) that each hold 1/N of every layer;
+    # on a CPU each takes an even share of the cores, over gloo.
+    tensor_parallel_size: int = 1
     seed: int = 0
     max_restarts: int = 5  # child restarts (worker by recompute, detokenizer/parser) allowed ...
     restart_window: float = 300.0  # ... within this many seconds, before the engine gives up
@@ -115,6 +118,8 @@ class EngineConfig:
             raise ValueError(f"--ngram-min / --ngram-max need 1 <= min <= max, got {self.ngram_min} / {self.ngram_max}")
         if self.speculative_disable_by_batch_size < 0:
             raise ValueError(f"--speculative-disable-by-batch-size must be >= 0, got {self.speculative_disable_by_batch_size}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         self.read_chat_template()  # an unreadable file stops the start here, not in a child process
 
     def _check_isq(self):

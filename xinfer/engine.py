@@ -7,7 +7,7 @@ from typing import Iterator
 
 import numpy as np
 
-from xinfer import spec
+from xinfer import parallel, spec
 from xinfer.config import EngineConfig
 from xinfer.detokenizer import IncrementalDetokenizer
 from xinfer.engine_core import Delta, EngineCore
@@ -53,10 +53,11 @@ class Engine:
         config.resolve(info.config)
         config.resolve_quantization(info.kind == "gguf" and info.gguf.quantized)
         spec.check(config, info)
+        parallel.check(config, info.config)
         self.tokenizer = info.tokenizer
         self.vision = processor_for(info.config)  # a vision model's image processor, else None
         self.vocab_size = info.config["vocab_size"]
-        if worker == "process":
+        if worker == "process" or config.tensor_parallel_size > 1:  # one process per rank
             topology = Topology.create()
             self._rundir = topology.rundir
             runner = ProcessRunner(config, topology, log_level)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import zmq
 
 from xinfer import process
-from xinfer import spec
+from xinfer import parallel, spec
 from xinfer.config import EngineConfig
 from xinfer.engine_core import Delta, EngineCore
 from xinfer.ipc.api import Abort, FromEngine, GenerateRequest, Ready, RequestError, ToEngine
@@ -57,6 +57,7 @@ def _main(config: EngineConfig, topology: Topology, log_level: str, parent: int)
         config.resolve(info.config)
         config.resolve_quantization(info.kind == "gguf" and info.gguf.quantized)
         spec.check(config, info)
+        parallel.check(config, info.config)
         proc.core = EngineCore(config, info, ProcessRunner(config, topology, log_level))
         proc.tokenizer = info.tokenizer.to_spec() if info.tokenizer is not None else None
         proc.start_pipeline()

@@ -46,9 +46,14 @@ class Topology:
     def to_parser(self, gen: int) -> str:
         return endpoint(self.rundir, f"to_parser-{gen}")
 
-    def plan_side(self, gen: int) -> str:
-        """Step plans too large for a ring slot, in order."""
-        return endpoint(self.rundir, f"plan-side-{gen}")
+    def plan_side(self, gen: int, rank: int = 0) -> str:
+        """Step plans too large for a ring slot, in order (one channel per tensor-parallel rank)."""
+        return endpoint(self.rundir, f"plan-side-{gen}" + (f"-{rank}" if rank else ""))
+
+    def tp_store(self, gen: int) -> str:
+        """The tensor-parallel ranks' rendezvous: a file (torch.distributed's FileStore), so that
+        nothing listens on a network port for it."""
+        return os.path.join(self.rundir, f"tp-store-{gen}")
 
     def result_side(self, gen: int) -> str:
         return endpoint(self.rundir, f"result-side-{gen}")

@@ -14,6 +14,7 @@ from ops.linear import linear
 from ops.norm import RMSNorm
 from ops.quant import QuantWeight
 from ops.rotary import RotaryEmbedding
+from xinfer import parallel as tp
 
 
 def default_loader(param: nn.Parameter, loaded: torch.Tensor, shard=None) -> None:
@@ -29,25 +30,67 @@ def _param(*shape, loader=default_loader) -> nn.Parameter:
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b). `shards` names the row blocks of a fused weight, in order."""
+    """y = x W^T (+ b). `shards` names the row blocks of a fused weight, in order.
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False, shards: list | None = None):
+    Tensor parallel (xinfer/parallel.py): "col" keeps this rank's part of each shard's rows; "row"
+    keeps its part of the input columns and all-reduces the output (`reduce=False`: the caller sums
+    partial outputs itself), the bias added once."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False, shards: list | None = None,
+                 parallel: str | None = None, take: dict | None = None, reduce: bool = True):
+        """`take`: {shard: (start, count)} of the checkpoint rows ("col") or {None: ...} of the input
+        columns ("row") this rank keeps; default: tp.part of each."""
         super().__init__()
-        self.shards = dict(zip(shards or [None], zip(_offsets(out_sizes), out_sizes)))
-        loader = self._load_shard if shards else default_loader
+        keys = shards or [None]
+        self.full = dict(zip(keys, zip(_offsets(out_sizes), out_sizes)))  # the checkpoint's rows
+        self.parallel = parallel if tp.size() > 1 else None
+        self.reduce = reduce
+        self.take = {}  # checkpoint rows (col) or columns (row) this rank keeps: (start, count)
+        if self.parallel == "col":
+            self.take = take or {k: tp.part(n) for k, n in zip(keys, out_sizes)}
+            out_sizes = [self.take[k][1] for k in keys]
+        elif self.parallel == "row":
+            self.take = take or {None: tp.part(in_features)}
+            in_features = self.take[None][1]
+        self.shards = dict(zip(keys, zip(_offsets(out_sizes), out_sizes)))
+        loader = self._load_shard if shards or self.parallel else default_loader
         self.weight = _param(sum(out_sizes), in_features, loader=loader)
-        self.bias = _param(sum(out_sizes), loader=loader) if bias else None
+        self.bias = _param(sum(out_sizes), loader=self._load_bias if self.parallel else loader) if bias else None
         self.blocks = None  # a QuantWeight beside `weight` (attach_blocks)
         self.fast = None  # the weight in bfloat16 (attach_bf16)
 
+    def local(self, t, shard):
+        """The part of checkpoint tensor `t` (a shard's rows, or the whole weight) this rank keeps;
+        anything with `narrow(dim, start, count)` (a tensor, a QuantWeight)."""
+        if self.parallel == "col":
+            return t.narrow(0, *self.take[shard])
+        if self.parallel == "row":
+            return t.narrow(1, *self.take[None])
+        return t
+
     def _load_shard(self, param, loaded, shard):
-        if shard is None:  # a checkpoint that stores the fused weight whole (Phi-3's qkv_proj, gate_up_proj)
-            return default_loader(param, loaded)
+        if shard is None and len(self.shards) > 1:  # a fused weight stored whole (Phi-3's qkv_proj, gate_up_proj)
+            for key, (start, size) in self.full.items():
+                self._load_shard(param, loaded.narrow(0, start, size), key)
+            return
         start, size = self.shards[shard]
-        default_loader(param.data.narrow(0, start, size), loaded)
+        default_loader(param.data.narrow(0, start, size), self.local(loaded, shard))
+
+    def _load_bias(self, param, loaded, shard=None):
+        if self.parallel == "row":
+            return default_loader(param, loaded)
+        if shard is None and len(self.shards) > 1:
+            for key, (start, size) in self.full.items():
+                self._load_bias(param, loaded.narrow(0, start, size), key)
+            return
+        start, size = self.shards[shard]
+        default_loader(param.data.narrow(0, start, size), loaded.narrow(0, *self.take[shard]))
 
     def forward(self, x):
-        return linear(x, self.weight, self.bias, self.blocks, self.fast)
+        if self.parallel != "row":
+            return linear(x, self.weight, self.bias, self.blocks, self.fast)
+        y = linear(x, self.weight, self.bias if tp.rank() == 0 else None, self.blocks, self.fast)
+        return tp.all_reduce(y) if self.reduce else y
 
 
 def _offsets(sizes):
@@ -68,10 +111,10 @@ class Embedding(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden: int, inter: int, act: str = "silu", bias: bool = False):
+    def __init__(self, hidden: int, inter: int, act: str = "silu", bias: bool = False, reduce: bool = True):
         super().__init__()
-        self.gate_up_proj = Linear(hidden, [inter, inter], bias=bias, shards=[0, 1])
-        self.down_proj = Linear(inter, [hidden], bias=bias)
+        self.gate_up_proj = Linear(hidden, [inter, inter], bias=bias, shards=[0, 1], parallel="col")
+        self.down_proj = Linear(inter, [hidden], bias=bias, parallel="row", reduce=reduce)
         self.act = ACTIVATIONS[act]
 
     def forward(self, x):
@@ -94,10 +137,13 @@ class Attention(nn.Module):
                  norm_offset: float = 0.0, scale: float | None = None, sliding_window: int | None = None,
                  softcap: float | None = None):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         q, kv = num_heads * head_dim, num_kv_heads * head_dim
-        self.qkv_proj = Linear(hidden, [q, kv, kv], bias=qkv_bias, shards=["q", "k", "v"])
-        self.o_proj = Linear(q, [hidden], bias=o_bias)
+        # this rank's heads (all of them without tensor parallel), as rows of the projections
+        (qs, qn), (ks, kn) = tp.head_parts(num_heads, num_kv_heads)
+        rows = {"q": (qs * head_dim, qn * head_dim), "k": (ks * head_dim, kn * head_dim), "v": (ks * head_dim, kn * head_dim)}
+        self.qkv_proj = Linear(hidden, [q, kv, kv], bias=qkv_bias, shards=["q", "k", "v"], parallel="col", take=rows)
+        self.o_proj = Linear(q, [hidden], bias=o_bias, parallel="row", take={None: rows["q"]})
+        self.num_heads, self.num_kv_heads, self.head_dim = qn, kn, head_dim
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps, norm_offset)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps, norm_offset)
@@ -177,7 +223,14 @@ def attach_blocks(model: nn.Module, blocks, remap=None) -> int:
         if pname == model.head_param_name():
             head = QuantWeight.from_gguf(kind, raw, shape)
         elif pname in linears:
-            parts.setdefault(pname, {})[shard] = QuantWeight.from_gguf(kind, raw, shape)
+            lin, q = linears[pname], QuantWeight.from_gguf(kind, raw, shape)
+            try:
+                if shard is None and lin.parallel and len(lin.shards) > 1:  # fused, stored whole: split, then ours
+                    parts.setdefault(pname, {}).update({k: lin.local(q.narrow(0, *lin.full[k]), k) for k in lin.full})
+                else:
+                    parts.setdefault(pname, {})[shard] = lin.local(q, shard)
+            except ValueError:  # a tensor-parallel part that cuts a block: this weight runs in float
+                parts[pname] = {"cut": None}
     count = 0
     for pname, got in parts.items():
         lin = linears[pname]

@@ -11,6 +11,7 @@ from ops.linear import linear
 from ops.norm import RMSNorm
 from ops.quant import max_rows
 from ops.rotary import RotaryEmbedding
+from xinfer import parallel as tp
 from xinfer.models.layers import Attention, Embedding, GatedMLP, Linear, load_weights
 from xinfer.models.registry import register
 
@@ -93,6 +94,7 @@ class LlamaForCausalLM(nn.Module):
         self.head_blocks = None  # the head's QuantWeight (layers.attach_blocks)
         self.head_fast = None  # the head in bfloat16 (layers.attach_bf16)
         self._cpu_decoder = None  # built at the first decode step that can use it; False: none fits
+        self._head_part = None  # tensor parallel: this rank's rows of head_blocks and head_fast
         if not self.tied:
             self.lm_head = Linear(cfg["hidden_size"], [cfg["vocab_size"]])
 
@@ -146,7 +148,7 @@ class LlamaForCausalLM(nn.Module):
         dec = self._cpu_decoder
         if dec and all(k is ly.self_attn.k_cache for (k, _), ly in zip(dec.caches, layers)):
             return dec
-        if dec is False or not cpu_decode.ENABLED or not cpu_decode.lib():
+        if dec is False or not cpu_decode.ENABLED or not cpu_decode.lib() or tp.size() > 1:  # no all-reduce in C
             return None
         parts = [self._decode_layer(ly) for ly in layers]
         norms = [] if None in parts else [
@@ -179,7 +181,14 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        return linear(hidden, w, None, self.head_blocks, self.head_fast).float()
+        if tp.size() == 1:
+            return linear(hidden, w, None, self.head_blocks, self.head_fast).float()
+        # tensor parallel: this rank's rows of the (replicated) head, then every rank's logits
+        start, count, _ = tp.vocab_part(w.shape[0])
+        part = lambda t: None if t is None else t.narrow(0, start, count)  # noqa: E731
+        if self._head_part is None:
+            self._head_part = (part(self.head_blocks), part(self.head_fast))
+        return tp.gather_vocab(linear(hidden, part(w), None, *self._head_part).float(), w.shape[0])
 
     def head_param_name(self) -> str:
         return "model.embed_tokens.weight" if self.tied else "lm_head.weight"

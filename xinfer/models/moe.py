@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ops.linear import linear
+from xinfer import parallel as tp
 from xinfer.models.layers import ACTIVATIONS, GatedMLP, _param, default_loader
 
 
@@ -19,16 +20,23 @@ class Experts(nn.Module):
 
     def __init__(self, num: int, hidden: int, inter: int):
         super().__init__()
+        # tensor parallel: this rank's share of every expert's intermediate columns
+        self.full, (self.start, inter) = inter, tp.part(inter)
         self.inter = inter
         self.gate_up_proj = _param(num, 2 * inter, hidden, loader=self._load)
         self.down_proj = _param(num, hidden, inter, loader=self._load)
 
     def _load(self, param, loaded, shard=None):
-        if shard is None:
-            return default_loader(param, loaded)
+        I, mine = self.full, (self.start, self.inter)
+        if shard is None:  # the stacked layout: [E, 2I, H] (gate rows, then up) or [E, H, I]
+            if param is self.down_proj:
+                return default_loader(param, loaded.narrow(2, *mine))
+            return default_loader(param, torch.cat([loaded[:, :I].narrow(1, *mine), loaded[:, I:].narrow(1, *mine)], 1))
         expert, part = shard
-        rows = {"gate": (0, self.inter), "up": (self.inter, self.inter), "down": (0, param.shape[1])}[part]
-        default_loader(param.data[expert].narrow(0, *rows), loaded)
+        if part == "down":
+            return default_loader(param.data[expert], loaded.narrow(1, *mine))
+        default_loader(param.data[expert].narrow(0, 0 if part == "gate" else self.inter, self.inter),
+                       loaded.narrow(0, *mine))
 
 
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -124,14 +132,15 @@ class SparseMoe(nn.Module):
         self.gate = router
         self.experts = Experts(num, hidden, inter)
         self.act = ACTIVATIONS[act]
-        self.shared_experts = GatedMLP(hidden, shared_inter, act) if shared_inter else None
+        # tensor parallel: both give partial sums, reduced once
+        self.shared_experts = GatedMLP(hidden, shared_inter, act, reduce=False) if shared_inter else None
 
     def forward(self, x):
         weights, idx = self.gate(x)
         out = fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, idx, self.act)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return tp.all_reduce(out)
 
 
 def deepseek_mlp(cfg: dict, idx: int, scoring: str = "sigmoid") -> nn.Module:

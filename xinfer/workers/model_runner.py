@@ -14,6 +14,7 @@ from ops.quant import max_rows
 from ops.sampling import sample
 from ops.speculative import verify
 from xinfer import hybrid, spec
+from xinfer import parallel as tp
 from xinfer.config import EngineConfig
 from xinfer.ipc.step import StepPlan, StepResult, pack_ids, unpack_ids
 from xinfer.loader import ModelInfo, load_model_info
@@ -164,6 +165,8 @@ class ModelRunner:
         try:
             return self._execute(plan)
         except Exception as e:
+            if tp.size() > 1:  # the other ranks may wait in a collective: the whole group restarts
+                raise
             log.warning("step %d failed: %s: %s", plan.step_id, type(e).__name__, e)
             log.debug("step failure", exc_info=True)
             self.seqs.clear()
@@ -210,7 +213,10 @@ class ModelRunner:
             self._after_step(plan, hidden, first_row, {})
             return StepResult(plan.step_id, [], b"", [], prompt_lps, embeddings=embeddings)
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        new, lps = self._sample(plan, logits, sample_seqs, drafts, q)
+        new, lps = self._sample(plan, logits, sample_seqs, drafts, q) if tp.rank() == 0 else ({}, {})
+        if tp.size() > 1:  # rank 0 sampled: every rank's batch takes its tokens (one each: no drafts here)
+            toks = tp.broadcast_tokens([new[sid][0] for sid in sample_seqs] if tp.rank() == 0 else [], len(sample_seqs))
+            new = {sid: [t] for sid, t in zip(sample_seqs, toks)}
         for sid in sample_seqs:
             ws, toks = self.seqs[sid], new[sid]
             ws.tokens.extend(toks)

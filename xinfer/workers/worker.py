@@ -13,7 +13,9 @@ import os
 import time
 
 import msgspec
+import torch
 
+from xinfer import parallel as tp
 from xinfer import process
 from xinfer.config import EngineConfig
 from xinfer.ipc.channels import Codec
@@ -36,19 +38,22 @@ class WorkerReady(msgspec.Struct, array_like=True, tag="ready"):
 
 
 def run_worker(config: EngineConfig, num_blocks: int | None, plan_ring: str, result_ring: str, plan_side: str,
-               result_side: str, rank: int, log_level: str) -> None:
+               result_side: str, rank: int, log_level: str, store: str = "") -> None:
     process.run_process(f"xinfer::worker-{rank}", log_level, _worker_main, config, num_blocks, plan_ring,
-                        result_ring, plan_side, result_side, rank, parent=os.getppid())
+                        result_ring, plan_side, result_side, rank, store, parent=os.getppid())
 
 
-def _worker_main(config, num_blocks, plan_ring, result_ring, plan_side, result_side, rank) -> None:
+def _worker_main(config, num_blocks, plan_ring, result_ring, plan_side, result_side, rank, store) -> None:
+    """Rank `rank` of --tensor-parallel-size workers: each reads every plan; rank 0 answers."""
     plans = RingReader(plan_ring, rank, plan_side)  # the rings watch the scheduler's liveness too
-    results = RingWriter(result_ring, [result_side])
+    tp.init(rank, config.tensor_parallel_size, store, torch.device(config.device))
+    results = RingWriter(result_ring, [result_side]) if rank == 0 else None
     runner = ModelRunner(config, load_model_info(config.model, config.load_format), num_blocks)
     enc = msgspec.msgpack.Encoder()
     dec = Codec(StepPlan)
     process.started(f"xinfer::worker-{rank}")
-    results.write(enc.encode(WorkerReady(os.getpid(), runner.num_blocks)))
+    if results is not None:
+        results.write(enc.encode(WorkerReady(os.getpid(), runner.num_blocks)))
     while True:
         try:
             frame = plans.read()
@@ -62,7 +67,8 @@ def _worker_main(config, num_blocks, plan_ring, result_ring, plan_side, result_s
         # An undecodable plan is answered with step -1: the scheduler then rebuilds this
         # worker's state by recompute instead of waiting for a result that never comes.
         result = runner.execute(plan) if plan is not None else StepResult(-1, [], b"")
-        results.write(enc.encode(result))
+        if results is not None:
+            results.write(enc.encode(result))
 
 
 class ProcessRunner:
@@ -75,6 +81,7 @@ class ProcessRunner:
         self.log_level, self.startup_timeout = log_level, startup_timeout
         self.generation = 0
         self.restarts = 0
+        self.procs = []  # one per tensor-parallel rank; rank 0's answers
         self.proc = None
         self._shms = []
         self._codec = Codec(StepResult | WorkerReady)
@@ -84,22 +91,26 @@ class ProcessRunner:
     def _start(self) -> None:
         self.generation += 1
         g = self.generation
-        t = self.topology
-        self._shms = [create_ring(1, 8, PLAN_SLOT, name=t.ring("plan", g)),
+        t, n = self.topology, self.config.tensor_parallel_size
+        self._shms = [create_ring(n, 8, PLAN_SLOT, name=t.ring("plan", g)),
                       create_ring(1, 8, RESULT_SLOT, name=t.ring("result", g))]
-        plan_side, result_side = t.plan_side(g), t.result_side(g)
-        self.plans = RingWriter(self._shms[0].name, [plan_side])
+        plan_sides, result_side = [t.plan_side(g, r) for r in range(n)], t.result_side(g)
+        self.plans = RingWriter(self._shms[0].name, plan_sides)
         self.results = RingReader(self._shms[1].name, 0, result_side)
-        self.proc = mp.get_context("spawn").Process(
-            target=run_worker, name="xinfer::worker-0", daemon=True,
-            args=(self.config, self.num_blocks, self._shms[0].name, self._shms[1].name, plan_side, result_side,
-                  0, self.log_level))
-        self.proc.start()
+        store = t.tp_store(g) if n > 1 else ""  # the ranks' rendezvous
+        self.procs = [mp.get_context("spawn").Process(
+            target=run_worker, name=f"xinfer::worker-{r}", daemon=True,
+            args=(self.config, self.num_blocks, self._shms[0].name, self._shms[1].name, plan_sides[r], result_side,
+                  r, self.log_level, store)) for r in range(n)]
+        self.proc = self.procs[0]
+        for p in self.procs:
+            p.start()
         try:
             msg = self._wait_ready()
         except BaseException:  # also SIGTERM meanwhile: release the rings before unwinding
-            self.proc.kill()  # still starting: nothing to finish gracefully
-            self.proc.join(5)
+            for p in self.procs:
+                p.kill()  # still starting: nothing to finish gracefully
+                p.join(5)
             self._teardown()
             raise
         if not isinstance(msg, WorkerReady):
@@ -113,18 +124,23 @@ class ProcessRunner:
             try:
                 return self._codec.decode(self.results.read(timeout=0.5))
             except (TimeoutError, PeerDied):
-                if not self.proc.is_alive():
-                    self.proc.join()
-                    raise WorkerDied(f"the worker exited during start-up (exit code {self.proc.exitcode}); "
-                                     "see its log above") from None
+                why = self.dead()
+                if why:
+                    raise WorkerDied(f"the worker exited during start-up ({why}); see its log above") from None
                 if time.monotonic() > deadline:
-                    self.proc.kill()
                     raise WorkerDied(f"the worker did not start within {self.startup_timeout:.0f}s") from None
 
     def execute(self, plan: StepPlan) -> StepResult:
         try:
             self.plans.write(self._enc.encode(plan))
-            result = self._codec.decode(self.results.read())
+            while True:  # rank 0 answers; another rank's death would leave it waiting in a collective
+                try:
+                    result = self._codec.decode(self.results.read(timeout=None if len(self.procs) == 1 else 0.5))
+                    break
+                except TimeoutError:
+                    why = self.dead()
+                    if why:
+                        raise WorkerDied(why) from None
         except PeerDied as e:
             raise WorkerDied(str(e)) from None
         if not isinstance(result, StepResult) or result.step_id != plan.step_id:
@@ -132,8 +148,9 @@ class ProcessRunner:
         return result
 
     def dead(self) -> str | None:
-        if self.proc is not None and not self.proc.is_alive():
-            return f"exit code {self.proc.exitcode}"
+        for r, p in enumerate(self.procs):
+            if not p.is_alive():
+                return f"exit code {p.exitcode}" + (f" of rank {r}" if len(self.procs) > 1 else "")
         return None
 
     def restart(self) -> None:
@@ -144,12 +161,13 @@ class ProcessRunner:
     def _teardown(self) -> None:
         if not self._shms:
             return  # already done (a restart whose start failed)
-        if self.proc is not None and self.proc.is_alive():
+        if any(p.is_alive() for p in self.procs):
             self.plans.shutdown()
-            self.proc.join(5)
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join(5)
+            for p in self.procs:  # a rank waiting in a collective for a dead one never sees the shutdown
+                p.join(5 if len(self.procs) == 1 or all(q.is_alive() for q in self.procs) else 0.5)
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
         for ring in (self.plans, self.results):
             for s in ring.side if isinstance(ring.side, list) else [ring.side]:
                 if s is not None:

@@ -1,0 +1,115 @@
+"""Tensor parallel over gloo on the CPU: two worker ranks give transformers' greedy tokens and
+log-probabilities (within 1e-4) for each sharded family, a model with fewer KV heads than ranks and
+one whose heads split unevenly; the bundled model's greedy tokens equal TP=1's; a rank killed
+mid-run costs no request; what is not sharded is a clear start-up error."""
+import argparse
+import os
+import signal
+
+import pytest
+import torch
+import transformers as tf
+
+from tests.test_models import ARCHS, PROMPTS, SMALL, _make
+from xinfer import Engine, EngineConfig, SamplingParams
+from xinfer.cli import add_engine_args, engine_config
+from xinfer.errors import ModelLoadError
+
+STEPS = 8
+PARAMS = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=0)
+# GQA with one KV head for two ranks (replicated), and 6 heads in 3 KV groups (2 and 1 a rank)
+EXTRA = {"llama_one_kv_head": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**dict(SMALL, num_key_value_heads=1))),
+         "llama_uneven": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**dict(
+             SMALL, hidden_size=96, num_attention_heads=6, num_key_value_heads=3)))}
+
+
+def _engine(path, **kw):
+    return Engine(EngineConfig(model=str(path), tensor_parallel_size=kw.pop("tp", 2), block_size=4,
+                               num_kv_blocks=200, prefill_chunk_size=8, **kw), log_level="warning")
+
+
+def _tiny(name, tmp_path):
+    if name in EXTRA:
+        torch.manual_seed(0)
+        model = EXTRA[name]().eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+    else:
+        model = _make(name)
+    model.save_pretrained(tmp_path)
+    return model
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe", "gemma3", "phi3", "glm4_moe", "llama_one_kv_head",
+                                  "llama_uneven"])
+def test_two_ranks_match_transformers(name, tmp_path):
+    ref = _tiny(name, tmp_path)
+    e = _engine(tmp_path)
+    try:
+        outs = e.generate(PROMPTS, PARAMS)
+    finally:
+        e.close()
+    for prompt, out in zip(PROMPTS, outs):
+        full = torch.tensor([prompt + out.token_ids])
+        with torch.no_grad():
+            lp = torch.log_softmax(ref(full).logits[0, len(prompt) - 1:-1].float(), -1)
+        assert out.token_ids == lp.argmax(-1).tolist()
+        got = torch.tensor([entry[0] for entry in out.logprobs])  # (chosen logprob, alternatives)
+        want = lp.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        assert (got - want).abs().max() < 1e-4, name
+
+
+def test_a_killed_rank_restarts_the_group(tmp_path):
+    _tiny("llama", tmp_path)
+    ref = _engine(tmp_path, tp=1)
+    want = [o.token_ids for o in ref.generate(PROMPTS, PARAMS)]
+    e = _engine(tmp_path)
+    try:
+        ids = [e.add_request(p, PARAMS)[0] for p in PROMPTS]
+        toks, steps = {}, 0
+        while e.has_unfinished():
+            for d in e.step():
+                toks.setdefault(d.seq_id, []).extend(d.token_ids)
+            steps += 1
+            if steps == 3:
+                os.kill(e.runner.procs[1].pid, signal.SIGKILL)
+        assert [toks[i] for i in ids] == want
+        assert e.runner.restarts == 1
+    finally:
+        e.close()
+
+
+def test_what_is_not_sharded_is_a_clear_error(tmp_path):
+    _make("deepseek_v3").save_pretrained(tmp_path / "mla")
+    with pytest.raises(ModelLoadError, match="not sharded yet"):
+        _engine(tmp_path / "mla")
+    _make("llama").save_pretrained(tmp_path / "llama")
+    with pytest.raises(ModelLoadError, match="speculative decoding"):
+        _engine(tmp_path / "llama", num_speculative_tokens=2)
+    with pytest.raises(ModelLoadError, match="fewer than the ranks"):  # 2 KV heads on 3 ranks
+        _engine(tmp_path / "llama", tp=3)
+
+
+def test_cli_flags():
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_config(p.parse_args(["-tp", "2"])).tensor_parallel_size == 2
+    assert engine_config(p.parse_args(["--tensor-parallel-size", "4"])).tensor_parallel_size == 4
+    with pytest.raises(ValueError, match="tensor-parallel-size"):
+        EngineConfig(tensor_parallel_size=0)
+
+
+@pytest.mark.slow
+def test_bundled_model_two_ranks_equal_one(smollm_path):
+    """SmolLM2-135M: 9 query heads in 3 KV groups split 6 / 3, its Q4_1 blocks split with them."""
+    prompts = [[1, 504, 3458, 282, 4649, 314], list(range(100, 160))]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    outs = []
+    for tp in (1, 2):
+        e = Engine(EngineConfig(model=smollm_path, tensor_parallel_size=tp), worker="process", log_level="warning")
+        try:
+            outs.append([o.token_ids for o in e.generate(prompts, params)])
+        finally:
+            e.close()
+    assert outs[0] == outs[1]
