@@ -17,6 +17,7 @@ from gguf.quants import dequantize
 from tokenizers import Tokenizer, processors
 
 from xinfer.errors import ModelLoadError
+from xinfer.loader import gguf_hybrid
 from xinfer.loader.gguf_arch import (ARCH_BLOCK_TENSORS, ARCHITECTURES, BLOCK_TENSORS, EXPERT_TENSORS, GLOBAL_TENSORS,
                                      WHOLE_TENSORS, arch_config)
 from xinfer.loader.gguf_file import GGUFFile
@@ -31,7 +32,8 @@ log = logging.getLogger("xinfer.loader.gguf")
 # super-blocks are read as eight 32-weight Q4_1-style blocks, each with its own d and m.
 BLOCK_TYPES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144)}
 
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.((?:nextn\.)?\w+)\.(weight|bias)")  # nextn: an MTP depth's own
+# nextn: an MTP depth's own; no suffix: a whole tensor (the hybrids' ssm_a)
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.((?:nextn\.)?\w+)(?:\.(weight|bias))?")
 _GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
 
 # From llama.cpp's llama-vocab.cpp, which treats these as end of generation whatever the file says.
@@ -72,6 +74,8 @@ class GGUFModel:
         for name, t in self._named_tensors():
             if not isinstance(name, str) or t.tensor_type.name not in BLOCK_TYPES or len(t.shape) != 2:
                 continue
+            if self.arch in gguf_hybrid.HYBRID_ARCHS and not gguf_hybrid.keeps_blocks(self.arch, self.config, t.name):
+                continue
             shape = (int(t.shape[1]), int(t.shape[0]))
             blocks = np.asarray(t.data).reshape(shape[0], -1)
             yield name, t.tensor_type.name, self._fix_rows(name, blocks), shape
@@ -81,6 +85,8 @@ class GGUFModel:
         if self.arch == "llama" and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
             key = "num_attention_heads" if ".q_proj." in name else "num_key_value_heads"
             w = unpermute_qk(w, self.config[key])
+        if self.arch in gguf_hybrid.HYBRID_ARCHS:
+            w = gguf_hybrid.fix_rows(self.arch, self.config, name, w)
         return w
 
     # ---- metadata and config
@@ -148,6 +154,8 @@ class GGUFModel:
                     "original_max_position_embeddings": self._meta(a + "rope.scaling.original_context_length"),
                     "attention_factor": self._meta(a + "rope.scaling.attn_factor", None)}
         cfg.update(arch_config(self.arch, self._meta, cfg))
+        if self.arch in gguf_hybrid.HYBRID_ARCHS:
+            cfg.update(gguf_hybrid.config(self.arch, self._meta, cfg, tensor_names))
         if self.arch == "gemma3":
             n_layers = cfg["num_hidden_layers"]
             # llama.cpp hard-codes these for gemma3: every 6th layer is global, local rope base 10000.
@@ -201,7 +209,7 @@ class GGUFModel:
             m = _BLOCK_RE.fullmatch(t.name)
             if m and m[2] in EXPERT_TENSORS:
                 yield m, t
-            elif m and m[2] in block_names:
+            elif m and m[3] and m[2] in block_names:
                 yield f"model.layers.{m[1]}.{block_names[m[2]]}.{m[3]}", t
             elif m and m[2] in WHOLE_TENSORS:
                 yield f"model.layers.{m[1]}.{WHOLE_TENSORS[m[2]]}", t
@@ -224,6 +232,8 @@ class GGUFModel:
             w = self._fix_rows(name, self._dequantize(t, t.data, tuple(int(d) for d in reversed(t.shape))))
             if self.arch == "gemma3" and t.name.endswith("norm.weight"):
                 w -= 1.0  # the converter stores Gemma's (1 + w) RMSNorm scale as w + 1
+            elif self.arch in gguf_hybrid.HYBRID_ARCHS:
+                w = gguf_hybrid.fix_values(self.arch, self.config, t.name, w)
             yield name, torch.from_numpy(w)
 
     def _dequantize(self, t, data: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

@@ -2,6 +2,10 @@
 tensors, and the config keys that only some architectures carry (MoE routing, MLA ranks)."""
 from __future__ import annotations
 
+from xinfer.loader.gguf_hybrid import BLOCK_NAMES as HYBRID_BLOCK_NAMES
+from xinfer.loader.gguf_hybrid import HYBRID_ARCHS
+from xinfer.loader.gguf_hybrid import WHOLE_NAMES as HYBRID_WHOLE_NAMES
+
 # general.architecture -> (HF class, HF model_type)
 ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
@@ -13,6 +17,9 @@ ARCHITECTURES = {
     "glm4": ("Glm4ForCausalLM", "glm4"),
     "glm4moe": ("Glm4MoeForCausalLM", "glm4_moe"),
     "deepseek2": ("DeepseekV3ForCausalLM", "deepseek_v3"),
+    "qwen3next": ("Qwen3NextForCausalLM", "qwen3_next"),  # the hybrids: xinfer/loader/gguf_hybrid.py
+    "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
+    "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
 }
 
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -64,11 +71,13 @@ _DEEPSEEK2 = {
     "attn_k_b": "self_attn.k_b_proj",
     "attn_v_b": "self_attn.v_b_proj",
 }
-ARCH_BLOCK_TENSORS = {"gemma3": _GEMMA3, "phi3": _FUSED, "glm4": _FUSED, "glm4moe": _GLM4MOE, "deepseek2": _DEEPSEEK2}
+_HYBRID = {**BLOCK_TENSORS, **HYBRID_BLOCK_NAMES}
+ARCH_BLOCK_TENSORS = {"gemma3": _GEMMA3, "phi3": _FUSED, "glm4": _FUSED, "glm4moe": _GLM4MOE, "deepseek2": _DEEPSEEK2,
+                      **{a: _HYBRID for a in HYBRID_ARCHS}}
 # Stacked [n_expert, out, in] tensors, yielded one expert at a time.
 EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 # Tensors whose HF name replaces the GGUF suffix too.
-WHOLE_TENSORS = {"exp_probs_b": "mlp.gate.e_score_correction_bias"}
+WHOLE_TENSORS = {"exp_probs_b": "mlp.gate.e_score_correction_bias", **HYBRID_WHOLE_NAMES}
 
 _SOFTMAX = 1  # llama.cpp's expert_gating_func (2: sigmoid)
 

@@ -79,11 +79,22 @@ class GatedDeltaNet(nn.Module):
         self.ssm_state = torch.zeros(slots, self.hv, self.dk, self.dv, dtype=torch.float32, device=device)
         return self.conv_state.nbytes + self.ssm_state.nbytes
 
+    def copy_state(self, src, dst) -> None:
+        """Slots `src` -> `dst` (ints, or index tensors of the same length)."""
+        self.conv_state[dst] = self.conv_state[src]
+        self.ssm_state[dst] = self.ssm_state[src]
+
     def _heads(self, mixed):
         kd = self.hk * self.dk
         q, k, v = mixed.split([kd, kd, self.hv * self.dv], -1)
         q, k = delta_rule.prepare(q.reshape(-1, self.hk, self.dk), k.reshape(-1, self.hk, self.dk), self.hv)
         return q, k, v.reshape(-1, self.hv, self.dv).float()
+
+    def _chunk(self, qkv, g, beta, out, s: int, n: int, slot: int) -> None:
+        """Rows s .. s + n of one sequence, from and into its state slot."""
+        q, k, v = self._heads(delta_rule.conv_chunk(qkv[s:s + n], self.conv_state[slot], self.conv1d.weight))
+        # a short piece (cut at a snapshot) in one chunk of its own length, not padded to 64
+        out[s:s + n] = delta_rule.chunked(q, k, v, g[s:s + n], beta[s:s + n], self.ssm_state[slot], min(64, n))
 
     def forward(self, positions, x):
         meta, _ = context()
@@ -93,6 +104,7 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         lens, starts = meta.query_lens, meta.query_starts
         slots = meta.state_slots if meta.state_slots is not None else list(range(len(lens)))
+        snaps = meta.state_snapshots or [[] for _ in lens]  # per row: (tokens into it, snapshot slot)
         fresh = [slots[i] for i, n in enumerate(lens) if meta.kv_lens[i] == n]
         if fresh:
             idx = torch.tensor(fresh, device=x.device)
@@ -107,11 +119,17 @@ class GatedDeltaNet(nn.Module):
             q, k, v = self._heads(delta_rule.conv_step(qkv[rows], conv, self.conv1d.weight))
             out[rows] = delta_rule.recurrent(q, k, v, g[rows], beta[rows], ssm)
             self.conv_state[sl], self.ssm_state[sl] = conv, ssm
+            done = [(slots[i], snaps[i][0][1]) for i in steps if snaps[i]]  # a decode token ended a block
+            if done:
+                self.copy_state(*(torch.tensor(c, device=x.device) for c in zip(*done)))
         for i, n in enumerate(lens):
-            if n > 1:
-                s, slot = starts[i], slots[i]
-                q, k, v = self._heads(delta_rule.conv_chunk(qkv[s:s + n], self.conv_state[slot], self.conv1d.weight))
-                out[s:s + n] = delta_rule.chunked(q, k, v, g[s:s + n], beta[s:s + n], self.ssm_state[slot])
+            if n > 1:  # cut where a snapshot is asked: the pieces chain their state as one pass would
+                cuts = [0] + [o for o, _ in snaps[i]] + [n]
+                for a, b, snap in zip(cuts, cuts[1:], [sn for _, sn in snaps[i]] + [None]):
+                    if b > a:
+                        self._chunk(qkv, g, beta, out, starts[i] + a, b - a, slots[i])
+                    if snap is not None:
+                        self.copy_state(slots[i], snap)
         o = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
         o = o * self.norm.weight.float() * F.silu(z.reshape(T, self.hv, self.dv).float())
         return self.out_proj(o.reshape(T, vd).to(x.dtype))

@@ -101,12 +101,21 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         dtype = self.model.embed_tokens.weight.dtype
         return sum(ly.linear_attn.alloc_state(slots, dtype, device) for ly in self.model.layers if ly.linear)
 
+    def copy_state(self, src: int, dst: int) -> None:
+        """Every linear-attention layer's state slot `src` -> `dst` (a prefix-cache snapshot restored)."""
+        for ly in self.model.layers:
+            if ly.linear:
+                ly.linear_attn.copy_state(src, dst)
+
     def remap(self, name):
         return expert_target(name) or in_proj_target(name)
 
     def load_weights(self, weights) -> None:
-        # checkpoints carry the MTP head as `mtp.*`, which nothing runs for hybrids yet
-        super().load_weights((n, t) for n, t in weights if not n.startswith("mtp."))
+        # checkpoints carry the MTP head as `mtp.*` (GGUF: blocks after the decoder's), which nothing
+        # runs for hybrids yet
+        n = len(self.model.layers)
+        super().load_weights((name, t) for name, t in weights if not name.startswith("mtp.")
+                             and not (name.startswith("model.layers.") and int(name.split(".")[2]) >= n))
 
 
 register("Qwen3NextForCausalLM", Qwen3NextForCausalLM)
