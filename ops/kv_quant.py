@@ -86,7 +86,11 @@ def store(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
         return
     if turbo is not None:
         bits, rot, levels = turbo
-        q, n = turbo_quant.quantize(x, bits, rot, levels)
+        calib = getattr(cache, "kv_calib", None)
+        if calib is not None:  # calibrating the key shift (turbo_quant.calibrate_key_shift): sum what passes
+            calib[0], calib[1] = calib[0] + x.float().sum(0), calib[1] + x.shape[0]
+        shift = getattr(cache, "kv_shift", None)
+        q, n = turbo_quant.quantize(x if shift is None else x - shift, bits, rot, levels)
         cache.view(nb * bs, h, d).index_copy_(0, slots, q)
         s.view(nb * bs, h).index_copy_(0, slots, n)
         return

@@ -22,7 +22,7 @@ _rank, _size = 0, 1
 # Families whose every projection goes through the shared Attention / GatedMLP / SparseMoe layers:
 # what the layers shard. Kept without importing the models (the engine core checks at start-up).
 TP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                    "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Phi3ForCausalLM",
+                    "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
                     "Glm4ForCausalLM", "Glm4MoeForCausalLM")
 
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from ops import cpu_isa, cpu_kernels, kv_quant
+from ops import cpu_isa, cpu_kernels, kv_quant, turbo_quant
 from ops.attention import get_backend
 from ops.quant import max_rows
 from ops.sampling import sample
@@ -27,6 +28,7 @@ from xinfer.workers.mm import VisionInputs
 from xinfer.workers.mtp import MtpDrafter
 
 log = logging.getLogger("xinfer.worker")
+CALIBRATION = Path(__file__).resolve().parent.parent / "configs" / "calibration.txt"
 
 
 def kv_bytes_per_token(cfg: dict, dtype: torch.dtype | str) -> int:
@@ -97,6 +99,8 @@ class ModelRunner:
         if self.drafter is not None:
             self._alloc_kv(self.drafter.model)  # a draft model or the MTP head
         self.seqs: dict[int, WorkerSeq] = {}
+        if config.kvcache_dtype.startswith("turbo"):
+            self._calibrate_key_shift(info)
         # a vision-language model: images' positions, encoder runs and embeddings (xinfer/workers/mm.py)
         has_vision = hasattr(self.model, "encode_images")
         self.vision = VisionInputs(self.model, self.device) if has_vision else None
@@ -134,6 +138,24 @@ class ModelRunner:
         log.info("KV cache: %d blocks of %d tokens, %d tokens in all, %s (%.2f GiB)", self.num_blocks,
                  self.block_size, self.num_blocks * self.block_size, str(dtype).removeprefix("torch."),
                  n * np.prod(shape[:-1]) * kv_quant.head_bytes(a.head_dim, dtype) / (1 << 30))
+
+    @torch.inference_mode()
+    def _calibrate_key_shift(self, info: ModelInfo) -> None:
+        """turbo caches store keys less their mean (ops/turbo_quant.py): measured once on a fixed text,
+        512 tokens prefilled as 64-token sequences into the empty cache (free again afterwards), so the
+        shift does not depend on the cache's size (unless it holds under 64 tokens)."""
+        window = min(64, self.num_blocks * self.block_size, self.config.max_model_len or 64)
+        if info.tokenizer is not None:
+            ids = info.tokenizer.encode(CALIBRATION.read_text())[:512]
+        else:  # a folder without a tokenizer: a fixed spread of ids
+            ids = [(7919 * i + 13) % self.vocab_size for i in range(512)]
+        blocks = list(range(spec.blocks_needed(window, self.block_size)))
+
+        def run():
+            for start in range(0, len(ids), window):
+                forward(self.model, self.backend, self.device, self.block_size, [(blocks, 0, ids[start:start + window])])
+        layers = turbo_quant.calibrate_key_shift(self.model.attention_layers(), run)
+        log.info("turbo KV cache: key shift calibrated for %d layers on %d tokens", layers, len(ids))
 
     def restart(self) -> None:
         self.seqs.clear()  # in-process: nothing died; the recompute refills the batch
