@@ -41,6 +41,10 @@ class AttnMetadata:
     # and where to snapshot that state (prefix caching): per sequence, (tokens into its row, snapshot
     # slot) pairs; None: nowhere
     state_snapshots: list[list[tuple[int, int]]] | None = None
+    # Gemma 3's images: per sequence, [lo, hi) KV positions whose tokens also see the later ones among
+    # them (one image's tokens), only spans that hold query rows of this step, all of whose K/V the step
+    # has (the scheduler never ends a chunk inside one); None: causal everywhere
+    bidirectional: list[list[tuple[int, int]]] | None = None
     # Backend-private values derived once per step and reused by every layer.
     cache: dict = field(default_factory=dict)
 
@@ -57,6 +61,8 @@ class AttnMetadata:
         """A query that runs as one decode per row: one token, or a few after some context (a
         sequence verifying speculative drafts, a small chunk), each row over the KV up to itself."""
         n = self.query_lens[i]
+        if self.bidirectional and self.bidirectional[i]:  # its rows see past themselves: a prefill
+            return False
         return n == 1 or (n <= FLAT_MAX and self.kv_lens[i] > n)
 
     def row_decode(self):
@@ -179,13 +185,16 @@ class TorchBackend(AttentionBackend):
             kpos = torch.arange(kl, device=q.device)
             qpos = torch.arange(kl - ql, kl, device=q.device)
             mask = kpos[None, :] <= qpos[:, None]
-            if sliding_window:
+            spans = meta.bidirectional[i] if meta.bidirectional else None
+            for lo, hi in spans or ():
+                mask = mask | (((qpos >= lo) & (qpos < hi))[:, None] & ((kpos >= lo) & (kpos < hi))[None, :])
+            if sliding_window:  # the window bounds the spans too (as transformers' Gemma 3 masks)
                 mask = mask & (kpos[None, :] > qpos[:, None] - sliding_window)
             qs = q[s:s + ql].transpose(0, 1).unsqueeze(0)  # [1, Hq, ql, D]
             ks = kv_quant.gather(k_cache, slots, q.dtype).transpose(0, 1).unsqueeze(0)
             vs = kv_quant.gather(v_cache, slots, q.dtype).transpose(0, 1).unsqueeze(0)
             # a whole prompt at once is plain causal: the kernel then skips the masked half
-            causal = ql == kl and not sliding_window and softcap is None
+            causal = ql == kl and not sliding_window and softcap is None and not spans
             out[s:s + ql] = _sdpa(qs, ks, vs, None if causal else mask[None, None], scale, softcap)[0].transpose(0, 1)
         return out
 
@@ -265,4 +274,14 @@ def attend(q, k, v, k_cache, v_cache, scale, sliding_window=None, softcap=None):
     """q [T, Hq, D], k/v [T, Hkv, D]: store the new K/V, then attend over the paged cache."""
     meta, backend = _CTX["meta"], _CTX["backend"]
     backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if meta.bidirectional and backend.name != "torch":
+        # the Triton and FlashInfer kernels mask causally only: a step with an image's bidirectional
+        # span runs on torch, which reads their cache layout as it is
+        backend = _torch_backend()
     return backend.forward(q, k_cache, v_cache, meta, scale, sliding_window, softcap)
+
+
+def _torch_backend() -> TorchBackend:
+    if "torch_fallback" not in _CTX:
+        _CTX["torch_fallback"] = TorchBackend()
+    return _CTX["torch_fallback"]

@@ -125,7 +125,7 @@ def engine(vl):
 
 def _run(eng, prompts, steps=12):
     """[(seq, [logits row per sampled token])] of prompts given as (token ids, PIL images)."""
-    proc = processor_for(eng.info.config)
+    proc = eng.vision
     orig, rows = eng.runner.model.compute_logits, []
 
     def hook(hidden):

@@ -55,7 +55,7 @@ class Engine:
         spec.check(config, info)
         parallel.check(config, info.config)
         self.tokenizer = info.tokenizer
-        self.vision = processor_for(info.config)  # a vision model's image processor, else None
+        self.vision = processor_for(info.config, info.tokenizer)  # a vision model's image processor, else None
         self.vocab_size = info.config["vocab_size"]
         if worker == "process" or config.tensor_parallel_size > 1:  # one process per rank
             topology = Topology.create()

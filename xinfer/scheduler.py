@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from xinfer import spec
 from xinfer.config import EngineConfig
+from xinfer.ipc.media import whole_images
 from xinfer.ipc.step import NewSeq, Scheduled, StepPlan, StepResult, pack_ids, unpack_ids
 from xinfer.kv_cache import BlockManager, block_hash
 from xinfer.sampling_params import SamplingParams
@@ -132,6 +133,8 @@ class Scheduler:
                 i += 1
                 continue
             n = min(seq.num_tokens - seq.num_computed, chunk, budget)
+            if seq.images:  # Gemma 3's images are computed in one chunk each
+                n = whole_images(seq.images, seq.num_computed, n)
             drafts = self._drafts(seq, budget) if speculate else None
             if drafts is not None:
                 k = len(drafts) if self.spec_method == "ngram" else seq.spec_k or self.config.num_speculative_tokens
@@ -165,6 +168,8 @@ class Scheduler:
             if matched:
                 self._match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed, chunk, budget)
+            if seq.images:  # Gemma 3's images are computed in one chunk each
+                n = whole_images(seq.images, seq.num_computed, n)
             new_blocks = self._grow(seq, n)
             if new_blocks is None:
                 if matched:  # a waiting sequence holds no blocks: give the prefix back

@@ -138,7 +138,7 @@ def _load_state(config: EngineConfig, opts: ApiOptions, max_queued_requests: int
                     vocab_size=info.config["vocab_size"], template=template, tool_parser=tool_parser,
                     markers=markers, strs=TokenStrings(tok), metrics=Metrics(names[0]), config=config,
                     max_queued_requests=max_queued_requests, hidden_size=info.config.get("hidden_size") or 0,
-                    vision=processor_for(info.config))
+                    vision=processor_for(info.config, tok))
     if opts.embedding_model:  # torch comes into the API process with it, and only then
         from xinfer.api.embed_batcher import EmbedBatcher
         from xinfer.embedding_model import EmbeddingModel

@@ -13,3 +13,18 @@ class ImageData(msgspec.Struct, array_like=True):
     width: int
     pixels: bytes  # uint8 RGB, height x width x 3, row-major
     grid: tuple[int, int, int] = (1, 0, 0)  # the encoder's patch grid (t, h, w), where the family has one
+    # its tokens attend to each other both ways (Gemma 3): a prefill chunk never ends inside it, so
+    # the step that computes its first token also holds its last (xinfer/ipc/media.py whole_images)
+    whole: bool = False
+
+
+def whole_images(images, start: int, n: int) -> int:
+    """How many of `n` prompt tokens from `start` a prefill chunk takes so that it never ends inside
+    a `whole` image: cut back to the image's first token, or, for a chunk that starts at or inside
+    one, on to its last, past the chunk size and the step's token budget (the scheduler stops adding
+    sequences once the budget is spent, so a step overruns it by one image at most)."""
+    end = start + n
+    for im in images:
+        if im.whole and im.offset < end < im.offset + im.length:
+            end = im.offset if im.offset > start else im.offset + im.length
+    return end - start

@@ -76,9 +76,11 @@ class ImageProcessor:
 
     placeholder_id: int
 
-    def __init__(self, cfg: dict):
+    def __init__(self, cfg: dict, tok=None):
+        """`tok`: the model's Tokenizer, for a family whose image tokens include text (None: pixels only)."""
         self.mm = cfg["_mm"]
         self.pre = self.mm.get("preprocessor") or {}
+        self.tok = tok
 
     def prepare(self, img) -> ImageData:
         """A decoded PIL image as the encoder's input (offset not yet known)."""

@@ -38,8 +38,8 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
 
 
 class QwenVLProcessor(ImageProcessor):
-    def __init__(self, cfg: dict):
-        super().__init__(cfg)
+    def __init__(self, cfg: dict, tok=None):
+        super().__init__(cfg, tok)
         v, p = self.mm["vision_config"], self.pre
         self.patch = p.get("patch_size") or v.get("patch_size", 16)
         self.merge = p.get("merge_size") or v.get("spatial_merge_size", 2)

@@ -58,7 +58,7 @@ def forward(model, backend, device, block_size: int, rows: list[tuple[list[int],
         block_tables=torch.from_numpy(table).to(device),
         slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device),
         query_lens=qlens, kv_lens=kvlens, block_size=bs, state_slots=state_slots,
-        state_snapshots=state_snapshots)
+        state_snapshots=state_snapshots, bidirectional=getattr(inputs.get("mm"), "spans", None))
     set_context(meta, backend)
     try:
         return model(torch.tensor(ids, dtype=torch.long, device=device), torch.from_numpy(np.concatenate(pos)).to(device),

@@ -28,6 +28,7 @@ class MMBatch(NamedTuple):
     rows: torch.Tensor | None  # the image-token rows of the step
     embeds: torch.Tensor | None  # [len(rows), hidden]
     deepstack: torch.Tensor | None  # [layers, len(rows), hidden]
+    spans: list | None = None  # AttnMetadata.bidirectional: each row sequence's whole images in the step
 
 
 class VisionInputs:
@@ -46,8 +47,9 @@ class VisionInputs:
             return None
         spans = [(ws.mm, start, len(toks)) for ws, (_, start, toks) in zip(seqs, rows)]
         self._encode(spans)
-        pos, idx, emb, deep, at = [], [], [], [], 0
+        pos, idx, emb, deep, at, whole = [], [], [], [], 0, []
         for m, start, n in spans:
+            whole.append([])
             p = np.arange(start, start + n)
             if m is None:
                 pos.append(np.broadcast_to(p, (3, n)))
@@ -67,6 +69,8 @@ class VisionInputs:
                 emb.append(e[lo - im.offset:hi - im.offset])
                 if d is not None:
                     deep.append(d[:, lo - im.offset:hi - im.offset])
+                if im.whole:
+                    whole[-1].append((im.offset, im.offset + im.length))
                 if hi == im.offset + im.length:  # its last rows: the KV cache holds the rest
                     del m.pinned[i]
             at += n
@@ -75,7 +79,7 @@ class VisionInputs:
             return MMBatch(torch.from_numpy(positions[0].copy()).to(self.device), None, None, None)
         return MMBatch(torch.from_numpy(positions).to(self.device),
                        torch.from_numpy(np.concatenate(idx)).to(self.device), torch.cat(emb),
-                       torch.cat(deep, dim=1) if deep else None)
+                       torch.cat(deep, dim=1) if deep else None, whole if any(whole) else None)
 
     def _encode(self, spans) -> None:
         """Pin the embeddings of every image the step reaches: from the cache, or all the missing
