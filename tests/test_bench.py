@@ -505,3 +505,26 @@ def test_offline_on_tiny_model(tiny_llama_path, tmp_path):
     assert rc == 0
     r, _ = read_result(tmp_path, "batch")
     assert r["input_lens"] == [8] * 3 and r["output_lens"] == [12] * 3
+
+
+def test_models_sweep_end_to_end(tiny_llama_path, tmp_path):
+    """`xinfer-bench models` on two tiny models: a chat model whose template reads enable_thinking
+    (both answers, flagged: random weights repeat themselves) and a dummy-weights one (timing only)."""
+    from tests.conftest import make_chat_model
+    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                "{% if enable_thinking %}<think>{% endif %}assistant:")
+    chat = make_chat_model(tiny_llama_path, tmp_path / "chat", template)
+    out = tmp_path / "sweep.json"
+    r = subprocess.run([sys.executable, "-m", "bench.cli", "models", chat, "--max-tokens", "24", "--prompt-words", "60",
+                        "--output", str(out), "--serve-args", "--max-model-len 1024"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    row = json.loads(out.read_text())["models"][0]
+    assert row["thinking_off"]["completion_tokens"] == 24 and row["thinking_on"]["completion_tokens"] == 24
+    assert row["verdict"] in ("ok", "repetitive", "repetitive, repetitive") and "| thinking off |" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "bench.cli", "models", tiny_llama_path, "--max-tokens", "16",
+                        "--output", str(out), "--serve-args", "--load-format dummy"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    row = json.loads(out.read_text())["models"][0]
+    assert row["verdict"] == "timing only" and row["thinking_off"]["completion_tokens"] == 16
