@@ -88,8 +88,12 @@ def targets(model, fmt: str) -> dict[str, tuple[object, str]]:
     """{parameter name: (the module or model that takes its blocks, format)}: every Linear whose rows
     split into 32-weight blocks, and the output head."""
     from xinfer.models.layers import Linear
+    from xinfer.models.moe import Experts
     out = {f"{n}.weight": (m, fmt) for n, m in model.named_modules()
            if isinstance(m, Linear) and m.weight.dim() == 2 and m.weight.shape[1] % 32 == 0}
+    for n, m in model.named_modules():  # routed experts: each stack quantized as rows, read per expert
+        if isinstance(m, Experts):
+            out.update({f"{n}.{p}": (m, fmt) for p in ("gate_up_proj", "down_proj") if getattr(m, p).shape[2] % 32 == 0})
     head = getattr(model, "head_param_name", None)
     if head is not None and dict(model.named_parameters())[head()].shape[1] % 32 == 0:
         out[head()] = (model, HEAD_FORMAT)
@@ -113,13 +117,15 @@ def apply_isq(model, fmt: str, folder: str | None) -> int:
     blocks = _read_cache(path, want, params) if path else None
     hit = blocks is not None
     if not hit:
-        blocks = {name: quantize(params[name].data, f) for name, (_, f) in want.items()}
+        blocks = {name: quantize(params[name].data.flatten(0, -2), f) for name, (_, f) in want.items()}
         if path:
             _write_cache(path, blocks)
     for name, (owner, f) in want.items():
-        q = QuantWeight.from_gguf(f.upper(), blocks[name].numpy(), tuple(params[name].shape))
+        q = QuantWeight.from_gguf(f.upper(), blocks[name].numpy(), _rows(params[name]))
         if owner is model:
             model.head_blocks = q
+        elif hasattr(owner, "attach"):  # experts
+            owner.attach(name.rsplit(".", 1)[1], q)
         else:
             owner.blocks = q
     log.info("--isq %s: %d weights as GGUF blocks (head %s, %s beside the float weights), %s in %.1fs", fmt,
@@ -127,6 +133,11 @@ def apply_isq(model, fmt: str, folder: str | None) -> int:
              f"read from {path}" if hit else "quantized" + (f", cached in {path}" if path else ""),
              time.monotonic() - t0)
     return len(want)
+
+
+def _rows(p: torch.Tensor) -> tuple[int, int]:
+    """A weight as the rows its blocks hold: experts' stacks [E, N, K] as [E * N, K]."""
+    return (p.numel() // p.shape[-1], p.shape[-1])
 
 
 def _read_cache(path: Path, want: dict, params: dict) -> dict | None:
@@ -140,7 +151,7 @@ def _read_cache(path: Path, want: dict, params: dict) -> dict | None:
         return None
     from xinfer.loader.gguf import BLOCK_TYPES
     for name, (_, f) in want.items():
-        shape = tuple(params[name].shape)
+        shape = _rows(params[name])
         if name not in got or tuple(got[name].shape) != (shape[0], shape[1] // 32 * BLOCK_TYPES[f.upper()][1]):
             return None
     return got

@@ -25,6 +25,12 @@ class Experts(nn.Module):
         self.inter = inter
         self.gate_up_proj = _param(num, 2 * inter, hidden, loader=self._load)
         self.down_proj = _param(num, hidden, inter, loader=self._load)
+        self.blocks = {}  # GGUF blocks per expert (--isq): {"gate_up_proj" | "down_proj": [QuantWeight] * E}
+
+    def attach(self, name: str, q) -> None:
+        """`q`: the blocks of parameter `name` with its experts stacked as rows, [E * rows, K]."""
+        rows = getattr(self, name).shape[1]
+        self.blocks[name] = [q.narrow(0, e * rows, rows) for e in range(getattr(self, name).shape[0])]
 
     def _load(self, param, loaded, shard=None):
         I, mine = self.full, (self.start, self.inter)
@@ -85,7 +91,7 @@ class Router(nn.Module):
         return weights * self.scale, idx
 
 
-def fused_experts(x, gate_up, down, weights, idx, act=F.silu):
+def fused_experts(x, gate_up, down, weights, idx, act=F.silu, blocks=None):
     """x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; weights, idx [T, k]. The T*k (token, expert)
     pairs sorted by expert form one contiguous run of rows per expert, so each projection is one
     grouped GEMM over those runs: every expert reads only its own tokens."""
@@ -94,19 +100,21 @@ def fused_experts(x, gate_up, down, weights, idx, act=F.silu):
     tok = order // idx.shape[1]
     # where each expert's run ends, found on the device (no host sync)
     ends = torch.searchsorted(flat[order], torch.arange(1, gate_up.shape[0] + 1, device=flat.device))
-    gate, up = _grouped(x[tok], gate_up, ends).chunk(2, dim=-1)
-    y = _grouped(act(gate) * up, down, ends) * weights.reshape(-1)[order, None].to(x.dtype)
+    blocks = blocks or {}
+    gate, up = _grouped(x[tok], gate_up, ends, blocks.get("gate_up_proj")).chunk(2, dim=-1)
+    y = _grouped(act(gate) * up, down, ends, blocks.get("down_proj")) * weights.reshape(-1)[order, None].to(x.dtype)
     return torch.zeros_like(x).index_add_(0, tok, y)
 
 
-def _grouped(a, w, ends):
-    """a [N, K] (expert e's run of rows ending at ends[e]) times w[e]^T [K, M] per run: [N, M]."""
-    if _grouped_mm_fits(a, w):
+def _grouped(a, w, ends, blocks=None):
+    """a [N, K] (expert e's run of rows ending at ends[e]) times w[e]^T [K, M] per run: [N, M].
+    `blocks`: each expert's GGUF blocks, which runs of few rows read instead (a decode step's)."""
+    if blocks is None and _grouped_mm_fits(a, w):
         return F.grouped_mm(a, w.transpose(1, 2), offs=ends.to(torch.int32))
     out, start = a.new_empty(a.shape[0], w.shape[1]), 0
     for e, end in enumerate(ends.tolist()):  # fallback: one GEMM per expert that has rows
         if end > start:
-            out[start:end] = linear(a[start:end], w[e])
+            out[start:end] = linear(a[start:end], w[e], None, blocks[e] if blocks else None)
         start = end
     return out
 
@@ -137,7 +145,8 @@ class SparseMoe(nn.Module):
 
     def forward(self, x):
         weights, idx = self.gate(x)
-        out = fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, idx, self.act)
+        out = fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, idx, self.act,
+                            self.experts.blocks)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return tp.all_reduce(out)
