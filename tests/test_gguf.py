@@ -443,3 +443,23 @@ def test_q4_k_runs_on_the_block_kernels(tmp_path):
         runs[mode] = (e.generate([prompt], params)[0].token_ids, lps)
     assert runs["gguf"][0] == runs["none"][0]
     assert (runs["gguf"][1] - runs["none"][1]).abs().max() < 1e-4
+
+
+def test_moe_expert_stacks_run_on_the_block_kernels(tmp_path):
+    """A GLM-4.5 MoE GGUF whose expert stacks are Q8_0: each expert's gate-up and down blocks are read
+    by the kernels, with the float path's logits."""
+    from ops import cpu_kernels
+    from tests.test_models import PROMPTS, _make, _write_gguf
+    from xinfer import Engine, EngineConfig
+    if not cpu_kernels.available():
+        pytest.skip("the CPU block kernels do not build here")
+    path = tmp_path / "moe.gguf"
+    _write_gguf(_make("glm4_moe"), "glm4moe", path, Q.Q8_0, experts_q=True)
+    lps = {}
+    for mode in ("gguf", "none"):
+        e = Engine(EngineConfig(model=str(path), quantization=mode, cpu_matmul="float32", num_kv_blocks=64,
+                                block_size=4), log_level="warning")
+        experts = [m for m in e.runner.model.modules() if type(m).__name__ == "Experts"]
+        assert all(set(x.blocks) == ({"gate_up_proj", "down_proj"} if mode == "gguf" else set()) for x in experts)
+        lps[mode] = e.runner.log_probs(PROMPTS[0], chunk=3)
+    assert (lps["gguf"] - lps["none"]).abs().max() < 1e-4

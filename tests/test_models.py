@@ -192,10 +192,11 @@ GGUF_ARCHS = {"phi3": gguf.MODEL_ARCH.PHI3, "glm4": gguf.MODEL_ARCH.GLM4, "glm4m
               "deepseek2": gguf.MODEL_ARCH.DEEPSEEK2}
 
 
-def _write_gguf(model, arch, path, qtype, nextn=0):
+def _write_gguf(model, arch, path, qtype, nextn=0, experts_q=False):
     """Matrices in `qtype` (F32 or a block type), everything else F32; a byte-level vocabulary to load.
     `nextn`: that many multi-token-prediction blocks follow the decoder's, as llama.cpp's converter
-    writes them for GLM-4.5. Returns the HF names of the weights written quantized."""
+    writes them for GLM-4.5; `experts_q`: the expert stacks in `qtype` too. Returns the HF names of the
+    weights written quantized."""
     c = model.config
     rp = c.rope_parameters
     mla = arch == "deepseek2"
@@ -264,7 +265,7 @@ def _write_gguf(model, arch, path, qtype, nextn=0):
     for name, t in tensors.items():
         gname, data = names.get_name(name, try_suffixes=(".weight", ".bias")), t.numpy()
         assert gname, name
-        if qtype == Q.F32 or data.ndim != 2:
+        if qtype == Q.F32 or data.ndim != 2 and not (experts_q and data.ndim == 3):
             w.add_tensor(gname, data)
         else:
             w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)

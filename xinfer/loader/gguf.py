@@ -72,7 +72,14 @@ class GGUFModel:
         """(checkpoint name, GGUF type, raw blocks [rows, bytes], (rows, cols)) of every matrix in a
         block type the CPU kernels read, rows in the order `tensors()` gives them."""
         for name, t in self._named_tensors():
-            if not isinstance(name, str) or t.tensor_type.name not in BLOCK_TYPES or len(t.shape) != 2:
+            if t.tensor_type.name not in BLOCK_TYPES:
+                continue
+            if not isinstance(name, str) and len(t.shape) == 3:  # an expert stack: its experts' rows one after another
+                rows = int(t.shape[2]) * int(t.shape[1])
+                stack = f"model.layers.{name[1]}.mlp.experts.{EXPERT_TENSORS[name[2]]}_stack.{name[3]}"
+                yield stack, t.tensor_type.name, np.asarray(t.data).reshape(rows, -1), (rows, int(t.shape[0]))
+                continue
+            if not isinstance(name, str) or len(t.shape) != 2:
                 continue
             if self.arch in gguf_hybrid.HYBRID_ARCHS and not gguf_hybrid.keeps_blocks(self.arch, self.config, t.name):
                 continue

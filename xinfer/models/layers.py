@@ -218,7 +218,12 @@ def attach_blocks(model: nn.Module, blocks, remap=None) -> int:
     linears = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, Linear)}
     parts: dict[str, dict] = {}
     head = None
+    stacks: dict[str, dict] = {}  # MoE expert stacks: {experts module: {part: QuantWeight}}
     for name, kind, raw, shape in blocks:
+        if "_stack." in name:
+            module, part = name.rsplit(".", 1)[0].rsplit(".", 1)
+            stacks.setdefault(module, {})[part.removesuffix("_stack")] = QuantWeight.from_gguf(kind, raw, shape)
+            continue
         pname, shard = _target(name, remap)
         if pname == model.head_param_name():
             head = QuantWeight.from_gguf(kind, raw, shape)
@@ -243,6 +248,10 @@ def attach_blocks(model: nn.Module, blocks, remap=None) -> int:
         if q is not None and q.shape == tuple(lin.weight.shape):
             lin.blocks = q
             count += 1
+    mods = dict(model.named_modules())
+    for module, got in stacks.items():
+        if module in mods:
+            count += mods[module].attach_stacks(got.get("gate_proj"), got.get("up_proj"), got.get("down_proj"))
     if head is not None:
         model.head_blocks = head
         count += 1

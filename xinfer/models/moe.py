@@ -11,6 +11,7 @@ from torch import nn
 
 from ops.linear import linear
 from xinfer import parallel as tp
+from ops.quant import QuantWeight
 from xinfer.models.layers import ACTIVATIONS, GatedMLP, _param, default_loader
 
 
@@ -31,6 +32,24 @@ class Experts(nn.Module):
         """`q`: the blocks of parameter `name` with its experts stacked as rows, [E * rows, K]."""
         rows = getattr(self, name).shape[1]
         self.blocks[name] = [q.narrow(0, e * rows, rows) for e in range(getattr(self, name).shape[0])]
+
+    def attach_stacks(self, gate=None, up=None, down=None) -> int:
+        """A GGUF file's stacks in block types the kernels read, [E * I, H], [E * I, H], [E * H, I]:
+        each expert's gate-up and down blocks (this rank's columns). A part missing (another type), or
+        that a tensor-parallel split would cut mid-block, stays float. Returns how many parts got blocks."""
+        E, I, H = self.gate_up_proj.shape[0], self.full, self.down_proj.shape[1]
+        mine = (self.start, self.inter)
+        try:
+            if gate is not None and up is not None:
+                gate_up = [QuantWeight.cat([gate.narrow(0, e * I, I).narrow(0, *mine),
+                                            up.narrow(0, e * I, I).narrow(0, *mine)]) for e in range(E)]
+                if all(q is not None for q in gate_up):  # None: gate and up in different block kinds
+                    self.blocks["gate_up_proj"] = gate_up
+            if down is not None:
+                self.blocks["down_proj"] = [down.narrow(0, e * H, H).narrow(1, *mine) for e in range(E)]
+        except ValueError:
+            pass
+        return len(self.blocks)
 
     def _load(self, param, loaded, shard=None):
         I, mine = self.full, (self.start, self.inter)
