@@ -82,17 +82,22 @@ def _stop(proc) -> None:
 def _answer(base: str, model: str, prompt: str, max_tokens: int, thinking: bool, max_repeat: float) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "chat_template_kwargs": {"enable_thinking": thinking}}
-    t0 = time.perf_counter()
-    r = _get(base + "/v1/chat/completions", body, timeout=3600)
-    secs = time.perf_counter() - t0
+    r, row = _timed(base + "/v1/chat/completions", body)
     msg = r["choices"][0]["message"]
     text = (msg.get("content") or "") + (msg.get("reasoning_content") or "")
-    out = r["usage"]["completion_tokens"]
     share = repeat_share(text)
     verdict = "empty" if not text.strip() else "repetitive" if share > max_repeat else "ok"
-    return {"prompt_tokens": r["usage"]["prompt_tokens"], "completion_tokens": out, "seconds": round(secs, 2),
-            "tok_s": round(out / secs, 1) if secs else None, "repeat_share": round(share, 3), "verdict": verdict,
-            "finish_reason": r["choices"][0]["finish_reason"]}
+    return dict(row, repeat_share=round(share, 3), verdict=verdict, finish_reason=r["choices"][0]["finish_reason"])
+
+
+def _timed(url: str, body: dict) -> tuple[dict, dict]:
+    """The response, and its token counts and speed."""
+    t0 = time.perf_counter()
+    r = _get(url, body, timeout=3600)
+    secs = time.perf_counter() - t0
+    out = r["usage"]["completion_tokens"]
+    return r, {"prompt_tokens": r["usage"]["prompt_tokens"], "completion_tokens": out, "seconds": round(secs, 2),
+               "tok_s": round(out / secs, 1) if secs else None}
 
 
 def _timing(base: str, card: dict, max_tokens: int) -> dict:
@@ -104,12 +109,7 @@ def _timing(base: str, card: dict, max_tokens: int) -> dict:
     # ids that any vocabulary has
     body = {"model": card["id"], "prompt": [(7919 * i) % 100 + 10 for i in range(n)], "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True}
-    t0 = time.perf_counter()
-    r = _get(base + "/v1/completions", body, timeout=3600)
-    secs = time.perf_counter() - t0
-    out = r["usage"]["completion_tokens"]
-    return {"prompt_tokens": r["usage"]["prompt_tokens"], "completion_tokens": out, "seconds": round(secs, 2),
-            "tok_s": round(out / secs, 1) if secs else None, "verdict": "timing only"}
+    return dict(_timed(base + "/v1/completions", body)[1], verdict="timing only")
 
 
 def _reads_thinking(base: str, model: str) -> bool:

@@ -414,7 +414,8 @@ def test_q4_k_runs_on_the_block_kernels(tmp_path):
     from ops import cpu_kernels
     from xinfer import Engine, EngineConfig, SamplingParams
     if not cpu_kernels.available():
-        pytest.skip("the CPU block kernels do not build here")
+        pytest.skip("the CPU block kernels do not build here (no C compiler, neither AVX-512 nor AVX2, or "
+                    "XINFER_CPU_KERNELS=0): GGUF matrices load as float, which the other tests here check")
     rng = np.random.default_rng(3)
     hidden, heads, kv, ff = 256, 4, 2, 512
     meta = _dims("llama", hidden, heads, kv, ff) | _byte_level_vocab()
@@ -452,7 +453,8 @@ def test_moe_expert_stacks_run_on_the_block_kernels(tmp_path):
     from tests.test_models import PROMPTS, _make, _write_gguf
     from xinfer import Engine, EngineConfig
     if not cpu_kernels.available():
-        pytest.skip("the CPU block kernels do not build here")
+        pytest.skip("the CPU block kernels do not build here (no C compiler, neither AVX-512 nor AVX2, or "
+                    "XINFER_CPU_KERNELS=0): GGUF matrices load as float, which the other tests here check")
     path = tmp_path / "moe.gguf"
     _write_gguf(_make("glm4_moe"), "glm4moe", path, Q.Q8_0, experts_q=True)
     lps = {}

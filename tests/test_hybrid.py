@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from ops import delta_rule
 from tests.conftest import BACKENDS
-from tests.test_models import PROMPTS, _check_logits, _gguf_layout
+from tests.test_models import PROMPTS, _check_logits, _gguf_layout, perturbed
 from xinfer import Engine, EngineConfig, SamplingParams
 from xinfer.errors import ModelLoadError
 from xinfer.loader.gguf import load_gguf
@@ -40,12 +40,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 
 def _make(name):
-    torch.manual_seed(0)
-    model = (GGUF_QWEN3_NEXT if name == "qwen3_next_gguf" else ARCHS[name])().eval()
-    with torch.no_grad():  # move every weight off its init (norms at 0, dt_bias at 1) so each matters
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model
+    torch.manual_seed(0)  # every weight moved off its init (norms at 0, dt_bias at 1) so each matters
+    return perturbed((GGUF_QWEN3_NEXT if name == "qwen3_next_gguf" else ARCHS[name])().eval())
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHS))

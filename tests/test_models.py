@@ -94,8 +94,11 @@ PROMPTS = [list(range(3, 40)), [7, 9, 11], [5] * 13 + [100, 200, 300], list(rang
 
 def _make(name):
     torch.manual_seed(0)
-    model = ARCHS[name]().eval()
-    # Random init leaves some weights at 0/1; perturb everything so each parameter matters.
+    return perturbed(ARCHS[name]().eval())
+
+
+def perturbed(model):
+    """Random init leaves some weights at 0/1; perturb everything so each parameter matters."""
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)

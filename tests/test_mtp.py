@@ -9,7 +9,7 @@ import transformers as tf
 from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file, save_file
 
-from tests.test_models import DEEPSEEK, _make, _write_gguf
+from tests.test_models import DEEPSEEK, _make, _write_gguf, perturbed
 from xinfer import Engine, EngineConfig, SamplingParams
 from xinfer.errors import ModelLoadError
 from xinfer.models import MODELS
@@ -77,14 +77,7 @@ class Reference:
 
 def _make_ds(cfg, seed=0):
     torch.manual_seed(seed)
-    m = tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(**cfg)).eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-        for n, b in m.named_buffers():
-            if n.endswith("e_score_correction_bias"):
-                b.add_(torch.randn_like(b) * 0.05)
-    return m
+    return perturbed(tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(**cfg)).eval())
 
 
 @pytest.fixture(scope="module")

@@ -164,7 +164,8 @@ def kernels():
     """Loaded (built) before a test points XINFER_CACHE_DIR elsewhere: the build is cached per process."""
     from ops import cpu_kernels
     if not cpu_kernels.available():
-        pytest.skip("the CPU block kernels do not build here (no C compiler, or not x86-64)")
+        pytest.skip("the CPU block kernels do not build here (no C compiler, or not x86-64): --isq needs them; "
+                    "GPTQ, AWQ and tests/test_quant_formats.py check the float loading without them")
 
 
 @pytest.fixture(scope="module")

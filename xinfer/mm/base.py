@@ -2,6 +2,7 @@
 the placeholder expansion of a rendered prompt."""
 from __future__ import annotations
 
+import abc
 import hashlib
 import io
 
@@ -71,7 +72,7 @@ def normalised(im: ImageData, mean, std, scale: float = 1 / 255) -> np.ndarray:
     return (x - np.asarray(mean, np.float32)[:, None, None]) / np.asarray(std, np.float32)[:, None, None]
 
 
-class ImageProcessor:
+class ImageProcessor(abc.ABC):
     """One per served model. `placeholder_id`: the token the chat template writes once per image."""
 
     placeholder_id: int
@@ -82,13 +83,13 @@ class ImageProcessor:
         self.pre = self.mm.get("preprocessor") or {}
         self.tok = tok
 
+    @abc.abstractmethod
     def prepare(self, img) -> ImageData:
         """A decoded PIL image as the encoder's input (offset not yet known)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def replacement(self, im: ImageData) -> tuple[list[int], int]:
         """The tokens that stand for `im` in the prompt, and where its embeddings start among them."""
-        raise NotImplementedError
 
     def with_images(self, ids: list[int], images: list) -> Prompt:
         """`ids` expanded for the decoded (PIL) `images`, which it carries."""

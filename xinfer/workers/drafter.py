@@ -20,6 +20,10 @@ _SALT = 0x9E3779B97F4A7C15  # a seeded request's draft draws from a stream apart
 
 
 class Drafter:
+    # whether each step's target hidden states go to after_step (the MTP head's); a draft model
+    # catches up lazily instead, when a sequence speculates
+    follows_target = False
+
     def __init__(self, model, backend, device, block_size: int, vocab_size: int, eos_ids: list[int], chunk: int):
         self.model, self.backend, self.device = model, backend, device
         self.block_size, self.vocab_size, self.eos_ids, self.chunk = block_size, vocab_size, eos_ids, chunk
@@ -52,10 +56,6 @@ class Drafter:
                 break
             logits = self._next(sids, seqs, drafts)
         return {sid: (d, torch.stack(qs[sid]) if qs[sid] else None) for sid, d in drafts.items()}
-
-    def after_step(self, rows) -> None:
-        """Called with each step's target hidden states (the MTP drafter's catch-up); this one catches
-        up lazily instead, when a sequence speculates."""
 
     def _first(self, sids, seqs) -> torch.Tensor:
         """The logits of each sequence's first draft."""

@@ -253,9 +253,9 @@ class ModelRunner:
                           counts=[len(new[sid]) for sid in sample_seqs] if drafts else [])
 
     def _after_step(self, plan, hidden, first_row, accepted):
-        """Hand the drafter the hidden states of the positions the target kept: each sequence's
+        """Hand the MTP drafter the hidden states of the positions the target kept: each sequence's
         scheduled tokens and its accepted drafts."""
-        if self.drafter is None:
+        if self.drafter is None or not self.drafter.follows_target:
             return
         kept = []
         for s in plan.scheduled:

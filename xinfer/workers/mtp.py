@@ -21,6 +21,8 @@ from xinfer.workers.drafter import Drafter
 
 
 class MtpDrafter(Drafter):
+    follows_target = True
+
     def __init__(self, target, backend, device, block_size: int, vocab_size: int, eos_ids: list[int]):
         super().__init__(target.mtp, backend, device, block_size, vocab_size, eos_ids, chunk=0)
         self._g: dict[int, torch.Tensor] = {}  # a proposal's last head output per sequence
