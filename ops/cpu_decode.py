@@ -21,7 +21,8 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("qs", _P), ("d", _P), ("m", _P), ("bias", _P), ("kind", _I), ("N", _I), ("K", _I), ("bf16", _I)]
+    _fields_ = [("qs", _P), ("d", _P), ("m", _P), ("bias", _P), ("kind", _I), ("N", _I), ("K", _I), ("gs", _I),
+                ("bf16", _I)]
 
 
 class _Layer(ctypes.Structure):
@@ -42,7 +43,8 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def _linear(w: QuantWeight, bias: torch.Tensor | None) -> _Linear:
     n, k = w.shape
-    return _Linear(_ptr(w.qs), _ptr(w.d), _ptr(w.m), _ptr(bias), 0 if w.kind == "q4" else 1, n, k, w.bf16)
+    return _Linear(_ptr(w.qs), _ptr(w.d), _ptr(w.m), _ptr(bias), 0 if w.kind == "q4" else 1, n, k, w.gs,
+                   w.bf16)
 
 
 class CpuDecoder:

@@ -8,7 +8,9 @@
 // Layouts (repacked from GGUF at load by ops/quant.py): per row n, K / 32 blocks of 32 weights.
 //   q4: 16 bytes a block, weight j in the low nibble of byte j, weight j + 16 in its high nibble;
 //       d[n, b], m[n, b] float32: w = d * q + m (Q4_0 comes as m = -8 d).
-//   q8: 32 signed bytes a block; d[n, b] float32: w = d * q.
+//   q8: 32 signed bytes a block; gs (1 or 2) scales a block, each for 32 / gs weights: d[n, b * gs + j]
+//       float32, and m[n, b * gs + j] or none: w = d * q + m (Q8_0: gs 1, no m; Q6_K, NVFP4: gs 2; the
+//       other K-quants and Q5 types, with or without m).
 // Built with -O3 -march=native (AVX-512 or AVX2 + FMA) -fopenmp by ops/cpu_kernels.py; the threads are torch's OpenMP pool.
 #include <immintrin.h>
 #include <omp.h>
@@ -33,10 +35,19 @@ static inline void q4_block(const uint8_t *q, float d, float m, __m512 *w0, __m5
     *w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low))), dv, mv);
 }
 
-static inline void q8_block(const int8_t *q, float d, __m512 *w0, __m512 *w1) {
-    const __m512 dv = _mm512_set1_ps(d);
-    *w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), dv);
-    *w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))), dv);
+// A q8 block's scales: block i (row n * nb + b) has gs of them; without m, fma(q, d, 0) is q * d exactly.
+typedef struct { float d0, d1, m0, m1; } q8_scales;
+static inline q8_scales q8_at(const float *d, const float *mn, size_t i, int gs) {
+    const size_t j = i * gs, k = j + gs - 1;
+    q8_scales s = {d[j], d[k], mn ? mn[j] : 0.f, mn ? mn[k] : 0.f};
+    return s;
+}
+
+static inline void q8_block(const int8_t *q, q8_scales s, __m512 *w0, __m512 *w1) {
+    *w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))),
+                          _mm512_set1_ps(s.d0), _mm512_set1_ps(s.m0));
+    *w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))),
+                          _mm512_set1_ps(s.d1), _mm512_set1_ps(s.m1));
 }
 
 static inline void q4_rows(const uint8_t *qs, const float *d, const float *mn, const float *x, float *y,
@@ -57,15 +68,15 @@ static inline void q4_rows(const uint8_t *qs, const float *d, const float *mn, c
     for (int r = 0; r < rows; r++) y[(size_t)r * ldy + n] = hsum(acc[r]);
 }
 
-static inline void q8_rows(const int8_t *qs, const float *d, const float *x, float *y, int rows, int n, int K,
-                           int ldy) {
+static inline void q8_rows(const int8_t *qs, const float *d, const float *mn, int gs, const float *x, float *y,
+                           int rows, int n, int K, int ldy) {
     const int nb = K / 32;
     __m512 acc[MR];
     for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
     const int8_t *q = qs + (size_t)n * K;
     for (int b = 0; b < nb; b++) {
         __m512 w0, w1;
-        q8_block(q + b * 32, d[(size_t)n * nb + b], &w0, &w1);
+        q8_block(q + b * 32, q8_at(d, mn, (size_t)n * nb + b, gs), &w0, &w1);
         for (int r = 0; r < rows; r++) {
             const float *xr = x + (size_t)r * K + b * 32;
             acc[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r]);
@@ -105,15 +116,15 @@ static inline __attribute__((always_inline)) void q4_rows_bf16(const uint8_t *qs
     for (int r = 0; r < rows; r++) y[(size_t)r * ldy + n] = hsum(acc[r]);
 }
 
-static inline __attribute__((always_inline)) void q8_rows_bf16(const int8_t *qs, const float *d, const uint16_t *xb, float *y, int rows, int n,
-                                int K, int ldy) {
+static inline __attribute__((always_inline)) void q8_rows_bf16(const int8_t *qs, const float *d, const float *mn, int gs,
+                                const uint16_t *xb, float *y, int rows, int n, int K, int ldy) {
     const int nb = K / 32;
     __m512 acc[MRB];
     for (int r = 0; r < MRB; r++) acc[r] = _mm512_setzero_ps();
     const int8_t *q = qs + (size_t)n * K;
     for (int b = 0; b < nb; b++) {
         __m512 w0, w1;
-        q8_block(q + b * 32, d[(size_t)n * nb + b], &w0, &w1);
+        q8_block(q + b * 32, q8_at(d, mn, (size_t)n * nb + b, gs), &w0, &w1);
         __m512bh w = _mm512_cvtne2ps_pbh(w1, w0);
         for (int r = 0; r < rows; r++)
             acc[r] = _mm512_dpbf16_ps(acc[r], w, (__m512bh)_mm512_loadu_si512(xb + (size_t)r * K + b * 32));
@@ -161,16 +172,20 @@ static inline void q4_rows(const uint8_t *qs, const float *d, const float *mn, c
     for (int r = 0; r < rows; r++) y[(size_t)r * ldy + n] = hsum(acc[r]);
 }
 
-static inline void q8_rows(const int8_t *qs, const float *d, const float *x, float *y, int rows, int n, int K,
-                           int ldy) {
+static inline void q8_rows(const int8_t *qs, const float *d, const float *mn, int gs, const float *x, float *y,
+                           int rows, int n, int K, int ldy) {
     const int nb = K / 32;
     __m256 acc[MR];
     for (int r = 0; r < MR; r++) acc[r] = _mm256_setzero_ps();
     const int8_t *q = qs + (size_t)n * K;
     for (int b = 0; b < nb; b++) {
-        __m256 dv = _mm256_set1_ps(d[(size_t)n * nb + b]), w[4];
-        for (int j = 0; j < 4; j++)
-            w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + b * 32 + 8 * j)))), dv);
+        const size_t i = ((size_t)n * nb + b) * gs, i1 = i + gs - 1;  // weights 0-15 scale i, 16-31 scale i1
+        __m256 w[4];
+        for (int j = 0; j < 4; j++) {
+            const size_t k = j < 2 ? i : i1;
+            w[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + b * 32 + 8 * j)))),
+                                   _mm256_set1_ps(d[k]), _mm256_set1_ps(mn ? mn[k] : 0.f));
+        }
         for (int r = 0; r < rows; r++) {
             const float *xr = x + (size_t)r * K + b * 32;
             for (int j = 0; j < 4; j++) acc[r] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xr + 8 * j), acc[r]);
@@ -193,13 +208,14 @@ typedef struct {
     const void *qs;
     const float *d, *m, *bias;  // m: q4 only; bias may be NULL
     int kind, N, K;             // kind 0: q4, 1: q8
+    int gs;                     // q8: scales per 32-weight block (1 or 2)
     int bf16;                   // 1: the bfloat16 kernels (where HAS_BF16; ignored elsewhere)
 } xq_linear;
 
 #if HAS_BF16
 static void rows_bf16(const xq_linear *w, const uint16_t *xb, float *y, int rows, int n) {
 #define Q4B(R) q4_rows_bf16(w->qs, w->d, w->m, xb, y, R, n, w->K, w->N)
-#define Q8B(R) q8_rows_bf16(w->qs, w->d, xb, y, R, n, w->K, w->N)
+#define Q8B(R) q8_rows_bf16(w->qs, w->d, w->m, w->gs, xb, y, R, n, w->K, w->N)
     if (w->kind == 0) ROWS_CASES(Q4B) else ROWS_CASES(Q8B)
 }
 #endif
@@ -230,7 +246,7 @@ static void mm_team(const xq_linear *w, const float *x, float *y, int M) {
             if (w->kind == 0)
                 q4_rows(w->qs, w->d, w->m, xm, ym, rows, n, w->K, w->N);
             else
-                q8_rows(w->qs, w->d, xm, ym, rows, n, w->K, w->N);
+                q8_rows(w->qs, w->d, w->m, w->gs, xm, ym, rows, n, w->K, w->N);
             if (w->bias)
                 for (int r = 0; r < rows; r++) ym[(size_t)r * w->N + n] += w->bias[n];
         }
@@ -243,13 +259,14 @@ static void mm_team(const xq_linear *w, const float *x, float *y, int M) {
 // x [M, K] and y [M, N] row-major float32, K a multiple of 32.
 void xinfer_q4_mm(const uint8_t *qs, const float *d, const float *mn, const float *x, float *y, int M, int N, int K,
                   int bf16) {
-    const xq_linear w = {qs, d, mn, NULL, 0, N, K, bf16};
+    const xq_linear w = {qs, d, mn, NULL, 0, N, K, 1, bf16};
 #pragma omp parallel
     mm_team(&w, x, y, M);
 }
 
-void xinfer_q8_mm(const int8_t *qs, const float *d, const float *x, float *y, int M, int N, int K, int bf16) {
-    const xq_linear w = {qs, d, NULL, NULL, 1, N, K, bf16};
+void xinfer_q8_mm(const int8_t *qs, const float *d, const float *mn, int gs, const float *x, float *y, int M, int N,
+                  int K, int bf16) {
+    const xq_linear w = {qs, d, mn, NULL, 1, N, K, gs, bf16};
 #pragma omp parallel
     mm_team(&w, x, y, M);
 }

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
 
 from ops.cpu_kernels import lib
 from xinfer.loader.gguf import BLOCK_TYPES
@@ -29,26 +31,76 @@ def max_rows(bf16: bool) -> int:
 MAX_ROWS = max_rows(False)
 
 
-class QuantWeight:
-    """One linear's weight [N, K] as 32-weight blocks (q4: nibbles, d, m; q8: bytes, d)."""
+_ONE, _ZERO = np.array([1.0], np.float16).view(np.uint8), np.zeros(2, np.uint8)
+# Types read as q8 blocks: (scales per 32 weights, the fields that make gguf's own dequantization
+# return the plain integers q: {byte offset in a block: bytes}, and how to read d and m (None: no m)).
+# The integers come from gguf.quants.dequantize itself on blocks whose scales are set to one and
+# offsets to zero, so no bit layout is written twice.
+_Q8_TYPES = {
+    "Q8_0": (1, {0: _ONE}),
+    "Q5_0": (1, {0: _ONE}),
+    "Q5_1": (1, {0: _ONE, 2: _ZERO}),
+    "Q5_K": (1, {0: _ONE, 2: _ZERO, 4: np.array([1] * 4 + [0] * 4 + [1] * 4, np.uint8)}),
+    "Q6_K": (2, {192: np.ones(16, np.uint8), 208: _ONE}),
+    "Q2_K": (2, {0: np.ones(16, np.uint8), 80: _ONE, 82: _ZERO}),
+}
 
-    def __init__(self, kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, shape):
-        self.kind, self.qs, self.d, self.m, self.shape = kind, qs, d, m, tuple(shape)
+
+def _half(b: np.ndarray, at: int) -> np.ndarray:
+    return b[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _k_scales(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K: twelve bytes -> eight 6-bit scales and eight 6-bit mins."""
+    scales = np.concatenate([sc[..., 0:4] & 63, (sc[..., 8:12] & 15) | ((sc[..., 0:4] >> 6) << 4)], -1)
+    mins = np.concatenate([sc[..., 4:8] & 63, (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)], -1)
+    return scales.astype(np.float32), mins.astype(np.float32)
+
+
+def _scales(type_name: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """d and m (or None) of each q8 scale group, [rows, blocks, groups], in float32 as the GGUF
+    reference computes them (each product exact: 11-bit halves times 4- to 8-bit integers)."""
+    if type_name in ("Q8_0", "Q5_0"):
+        return _half(b, 0)[..., None], None
+    if type_name == "Q5_1":
+        return _half(b, 0)[..., None], _half(b, 2)[..., None]
+    if type_name == "Q5_K":
+        sc, mn = _k_scales(b[..., 4:16])
+        return _half(b, 0)[..., None] * sc, -(_half(b, 2)[..., None] * mn)
+    if type_name == "Q6_K":
+        return _half(b, 208)[..., None] * b[..., 192:208].view(np.int8).astype(np.float32), None
+    sc = b[..., 0:16]  # Q2_K: a scale in the low nibble, a min in the high one
+    return _half(b, 80)[..., None] * (sc & 15).astype(np.float32), -(_half(b, 82)[..., None] * (sc >> 4).astype(np.float32))
+
+
+class QuantWeight:
+    """One linear's weight [N, K] as 32-weight blocks. q4: nibbles, d and m per block; q8: signed
+    bytes, `gs` (1 or 2) scales d a block and optional offsets m (ops/cpu_kernels.c)."""
+
+    def __init__(self, kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, shape, gs: int = 1):
+        self.kind, self.qs, self.d, self.m, self.shape, self.gs = kind, qs, d, m, tuple(shape), gs
         self.bf16 = False  # --cpu-matmul bfloat16: the kernels' bfloat16 dot products, where the CPU has them
 
     @classmethod
     def from_gguf(cls, type_name: str, blocks: np.ndarray, shape) -> "QuantWeight":
-        """`blocks` [N, K / 32 * bytes per block] uint8, GGUF's own bytes."""
+        """`blocks` [N, K / block weights * block bytes] uint8, GGUF's own bytes."""
         n, k = shape
         if type_name == "Q4_K":
             return cls._from_q4_k(blocks, shape)
-        b = blocks.reshape(n, k // 32, BLOCK_TYPES[type_name][1])
-        d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        if type_name == "Q8_0":
-            return cls("q8", torch.from_numpy(b[..., 2:].copy().view(np.int8).reshape(n, k)), torch.from_numpy(d),
-                       None, shape)
+        size, nbytes = BLOCK_TYPES[type_name]
+        b = blocks.reshape(n, k // size, nbytes)
+        if type_name in _Q8_TYPES:
+            gs, unit = _Q8_TYPES[type_name]
+            plain = b.copy()
+            for at, v in unit.items():
+                plain[..., at:at + len(v)] = v
+            q = dequantize(plain.reshape(n, -1), GGMLQuantizationType[type_name]).reshape(n, k).astype(np.int8)
+            d, m = _scales(type_name, b)
+            t = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a).reshape(n, k // 32 * gs))  # noqa: E731
+            return cls("q8", torch.from_numpy(q), t(d), t(m), shape, gs)
+        d = _half(b, 0)
         if type_name == "Q4_1":
-            m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+            m = _half(b, 2)
             qs = b[..., 4:]
         else:  # Q4_0: d * (q - 8) = d * q + (-8 d), exactly
             m = -8.0 * d
@@ -64,27 +116,45 @@ class QuantWeight:
         and m' = -(dmin * mn), computed in float32 as the GGUF reference does."""
         n, k = shape
         b = blocks.reshape(n, k // 256, 144)
-        d = b[..., 0:2].copy().view(np.float16).astype(np.float32)  # [n, S, 1]
-        dmin = b[..., 2:4].copy().view(np.float16).astype(np.float32)
-        sc = b[..., 4:16].astype(np.uint8)
-        scales = np.concatenate([sc[..., 0:4] & 63, (sc[..., 8:12] & 15) | ((sc[..., 0:4] >> 6) << 4)], -1)
-        mins = np.concatenate([sc[..., 4:8] & 63, (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)], -1)
+        scales, mins = _k_scales(b[..., 4:16])
         q = b[..., 16:].reshape(n, k // 256, 4, 32)
         vals = np.stack([q & 15, q >> 4], axis=3).reshape(n, k // 32, 32)  # sub-blocks in order
         qs = vals[..., :16] | (vals[..., 16:] << 4)  # the q4 layout: weights 0-15 low, 16-31 high
-        dd = (d * scales.astype(np.float32)).reshape(n, k // 32)
-        mm = -(dmin * mins.astype(np.float32)).reshape(n, k // 32)
+        dd = (_half(b, 0)[..., None] * scales).reshape(n, k // 32)
+        mm = -(_half(b, 2)[..., None] * mins).reshape(n, k // 32)
         return cls("q4", torch.from_numpy(qs.astype(np.uint8).reshape(n, k // 2)), torch.from_numpy(dd),
                    torch.from_numpy(mm), shape)
 
+    def as_q8(self, gs: int, with_m: bool) -> "QuantWeight":
+        """The same weights as q8 blocks with `gs` scales a block (and offsets): what lets parts in
+        different types be fused into one weight."""
+        n, k = self.shape
+        if self.kind == "q4":
+            q = self.qs.view(n, k // 32, 16)
+            q = torch.cat([q & 0xF, q >> 4], dim=-1).to(torch.int8).view(n, k)
+            w = QuantWeight("q8", q, self.d, self.m, self.shape)
+        else:
+            w = self
+        d, m = w.d, w.m
+        if gs > w.gs:
+            d = d.repeat_interleave(gs // w.gs, dim=1)
+            m = None if m is None else m.repeat_interleave(gs // w.gs, dim=1)
+        if with_m and m is None:
+            m = torch.zeros_like(d)
+        return w._like(w.qs, d.contiguous(), m if m is None else m.contiguous(), self.shape, gs)
+
     @staticmethod
     def cat(parts: list["QuantWeight"]) -> "QuantWeight | None":
-        """Fused weights (QKV, gate-up): the parts' rows one after the other; None if kinds differ."""
-        if len({p.kind for p in parts}) != 1 or len({p.shape[1] for p in parts}) != 1:
+        """Fused weights (QKV, gate-up): the parts' rows one after the other; parts of different kinds
+        (Q4_K_M's Q6_K value rows beside Q4_K ones) are all read as q8. None if their widths differ."""
+        if len({p.shape[1] for p in parts}) != 1:
             return None
+        if len({(p.kind, p.gs, p.m is None) for p in parts}) > 1:
+            gs, with_m = max(p.gs for p in parts), any(p.m is not None for p in parts)
+            parts = [p.as_q8(gs, with_m) for p in parts]
         m = None if parts[0].m is None else torch.cat([p.m for p in parts])
         return QuantWeight(parts[0].kind, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m,
-                           (sum(p.shape[0] for p in parts), parts[0].shape[1]))
+                           (sum(p.shape[0] for p in parts), parts[0].shape[1]), parts[0].gs)
 
     def narrow(self, dim: int, start: int, count: int) -> "QuantWeight":
         """Rows, or whole 32-weight blocks of columns (a tensor-parallel rank's part)."""
@@ -97,18 +167,21 @@ class QuantWeight:
             raise ValueError(f"columns {start}:{start + count} cut a 32-weight block")
         per = self.qs.shape[1] // (k // 32)  # bytes of a block in qs
         b0, b1 = start // 32, (start + count) // 32
-        m = None if self.m is None else self.m[:, b0:b1].contiguous()
-        return self._like(self.qs[:, b0 * per:b1 * per].contiguous(), self.d[:, b0:b1].contiguous(), m, (n, count))
+        g0, g1 = b0 * self.gs, b1 * self.gs
+        m = None if self.m is None else self.m[:, g0:g1].contiguous()
+        return self._like(self.qs[:, b0 * per:b1 * per].contiguous(), self.d[:, g0:g1].contiguous(), m, (n, count))
 
-    def _like(self, qs, d, m, shape) -> "QuantWeight":
-        q = QuantWeight(self.kind, qs, d, m, shape)
+    def _like(self, qs, d, m, shape, gs: int | None = None) -> "QuantWeight":
+        q = QuantWeight(self.kind, qs, d, m, shape, self.gs if gs is None else gs)
         q.bf16 = self.bf16
         return q
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.shape
         if self.kind == "q8":
-            return (self.qs.float().view(n, k // 32, 32) * self.d[..., None]).view(n, k)
+            g = k // 32 * self.gs
+            w = self.qs.float().view(n, g, -1) * self.d[..., None]
+            return (w if self.m is None else w + self.m[..., None]).view(n, k)
         q = self.qs.view(n, k // 32, 16)
         q = torch.cat([q & 0xF, q >> 4], dim=-1).float()
         return (q * self.d[..., None] + self.m[..., None]).view(n, k)
@@ -121,5 +194,6 @@ class QuantWeight:
             lib().xinfer_q4_mm(self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), x.data_ptr(), y.data_ptr(),
                                rows, n, k, self.bf16)
         else:
-            lib().xinfer_q8_mm(self.qs.data_ptr(), self.d.data_ptr(), x.data_ptr(), y.data_ptr(), rows, n, k, self.bf16)
+            lib().xinfer_q8_mm(self.qs.data_ptr(), self.d.data_ptr(), None if self.m is None else self.m.data_ptr(),
+                               self.gs, x.data_ptr(), y.data_ptr(), rows, n, k, self.bf16)
         return y

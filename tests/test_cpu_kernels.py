@@ -17,20 +17,25 @@ from ops.attention import AttnMetadata, TorchBackend
 from ops.linear import linear
 from ops.norm import RMSNorm
 from ops.quant import MAX_ROWS, QuantWeight
+from xinfer.loader.gguf import BLOCK_TYPES
 from ops.rotary import RotaryEmbedding, _apply
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels are off here (no C compiler, neither AVX-512 nor AVX2, or XINFER_CPU_KERNELS=0); "
                                 "the torch paths they replace run instead")
 
-TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K"]
+TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q2_K"]
+# where a K-quant super-block keeps its float16 d (and dmin): gguf has no quantizer for these
+_K_HALVES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82)}
 
 
 def _blocks(type_name, n=96, k=160, seed=0):
-    if type_name == "Q4_K":  # gguf has no K-quant quantizer: random super-blocks, read as Q4_1-style blocks
-        from tests.test_gguf import _random_k_blocks
-        raw = _random_k_blocks(np.random.default_rng(seed), GGMLQuantizationType.Q4_K, n, 256)
-        raw[:, 0:4] = np.tile(np.array([5e-4], np.float16).view(np.uint8), 2)  # d, dmin: weights of ~0.05 as above
-        ref = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_K).reshape(n, 256).astype(np.float32))
+    if type_name in _K_HALVES:  # random super-blocks with sane scales
+        qtype = GGMLQuantizationType[type_name]
+        raw = np.random.default_rng(seed).integers(0, 256, size=(n, 1, BLOCK_TYPES[type_name][1]), dtype=np.uint8)
+        for at in _K_HALVES[type_name]:
+            raw[..., at:at + 2] = np.array([5e-4], np.float16).view(np.uint8)  # weights of ~0.05 as below
+        raw = raw.reshape(n, -1)
+        ref = torch.from_numpy(dequantize(raw, qtype).reshape(n, 256).astype(np.float32))
         return QuantWeight.from_gguf(type_name, raw, (n, 256)), ref
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(n, k, generator=g) * 0.05).numpy()
@@ -78,7 +83,14 @@ def test_fused_blocks_keep_row_order():
     parts = [_blocks(t, n=n, seed=i) for i, (t, n) in enumerate([("Q4_1", 64), ("Q4_0", 32), ("Q4_1", 32)])]
     fused = QuantWeight.cat([p for p, _ in parts])
     assert torch.equal(fused.dequantize(), torch.cat([r for _, r in parts]))
-    assert QuantWeight.cat([parts[0][0], _blocks("Q8_0", n=32)[0]]) is None  # mixed kinds stay float
+    # mixed kinds (Q4_K_M's Q6_K rows beside Q4_K ones) are all read as q8, the same weights
+    mixed = [_blocks(t, n=32, k=256, seed=i) for i, t in enumerate(["Q4_K", "Q6_K", "Q8_0", "Q5_1"])]
+    fused = QuantWeight.cat([p for p, _ in mixed])
+    assert (fused.kind, fused.gs, fused.m is not None) == ("q8", 2, True)
+    ref = torch.cat([r for _, r in mixed])
+    assert torch.equal(fused.dequantize(), ref)
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(fused(x), x @ ref.T, rtol=1e-5, atol=1e-5)
 
 
 def _paged_case(seed, lens, query_lens, hq=6, hkv=2, d=64, bs=4):

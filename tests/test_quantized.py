@@ -85,7 +85,10 @@ def _hard_rows(rng):
     return np.concatenate([np.stack(rows), rng.normal(size=(300, 64)) * rng.uniform(0.01, 3, (300, 1))])
 
 
-@pytest.mark.parametrize("fmt", isq.FORMATS)
+LEGACY = ("q8_0", "q4_0", "q4_1")  # the K-quants, which gguf cannot write, are tests/test_isq_kquant.py's
+
+
+@pytest.mark.parametrize("fmt", LEGACY)
 def test_isq_bytes_equal_gguf(fmt, monkeypatch):
     rng = np.random.default_rng(0)
     x = _hard_rows(rng).astype(np.float32)
@@ -102,17 +105,15 @@ def test_isq_is_fast():
         took = []
         for _ in range(2):  # the better of two: other work shares these cores
             t0 = time.perf_counter()
-            isq.quantize(w, fmt)
+            isq.quantize(w if fmt in LEGACY else w.T.contiguous(), fmt)  # K-quants: the down projection, 19 super-blocks a row
             took.append(time.perf_counter() - t0)
         per_weight = min(took) / w.numel()
-        assert per_weight * 5e8 < 20, f"{fmt}: {per_weight * 5e8:.0f}s for 0.5B weights"
+        bound = 20 if fmt in LEGACY else 150  # llama.cpp's K-quant search fits 21 candidate scales a sub-block
+        assert per_weight * 5e8 < bound, f"{fmt}: {per_weight * 5e8:.0f}s for 0.5B weights"
 
 
 def test_isq_settings():
-    for bad in ("q4_k", "q6_k"):
-        with pytest.raises(ValueError, match=r"must be one of \['q8_0', 'q4_0', 'q4_1'\].*k-quants"):
-            EngineConfig(isq=bad)
-    with pytest.raises(ValueError, match="q5_0"):
+    with pytest.raises(ValueError, match=r"must be one of \['q8_0', 'q4_0', 'q4_1', 'q4_k', 'q6_k'\].*q5_0"):
         EngineConfig(isq="q5_0")
     with pytest.raises(ValueError, match="--quantization auto or gguf"):
         EngineConfig(isq="q8_0", quantization="none")
@@ -176,21 +177,32 @@ def float_llama(tmp_path_factory, kernels):
     return path, model
 
 
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory, kernels):
+    """Rows of 256 and 512 weights: whole K-quant super-blocks (the down projection's too)."""
+    model = _llama(hidden=256, inter=512, layers=1)
+    path = tmp_path_factory.mktemp("isq_wide_llama")
+    model.save_pretrained(path)
+    return path, model
+
+
 @pytest.mark.parametrize("fmt", isq.FORMATS)
-def test_isq_engine_matches_dequantized_transformers(float_llama, fmt, tmp_path, monkeypatch):
+def test_isq_engine_matches_dequantized_transformers(float_llama, wide_llama, fmt, tmp_path, monkeypatch):
     monkeypatch.setenv("XINFER_CACHE_DIR", str(tmp_path))
-    path, model = float_llama
+    path, model = float_llama if fmt in LEGACY else wide_llama
     e = _engine(path, isq=fmt)
     m = e.runner.model
     assert all(lin.blocks is not None for lin in m.model.modules() if isinstance(lin, Linear))
     assert m.head_blocks is not None and m.head_blocks.kind == "q8"
-    assert {lin.blocks.kind for lin in m.model.modules() if isinstance(lin, Linear)} == {fmt[:2]}
-    ref = _llama()
+    kinds = {"q4_k": ("q4", 1), "q6_k": ("q8", 2)}.get(fmt, (fmt[:2], 1))  # Q6_K: a scale per 16 weights
+    assert {(lin.blocks.kind, lin.blocks.gs) for lin in m.model.modules() if isinstance(lin, Linear)} == {kinds}
+    ref = _llama(**({} if fmt in LEGACY else dict(hidden=256, inter=512, layers=1)))
     with torch.no_grad():
         for name, p in ref.named_parameters():
             if p.dim() == 2 and "embed_tokens" not in name:
-                qt = Q.Q8_0 if name == "lm_head.weight" else Q[fmt.upper()]
-                p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), qt), qt)))
+                f = "q8_0" if name == "lm_head.weight" else fmt
+                raw = isq.quantize(p, f).numpy()  # the K-quants' bytes: tests/test_isq_kquant.py holds them to llama.cpp's
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(raw, Q[f.upper()]).reshape(p.shape)))
     got = _check(e, ref)
     with torch.no_grad():  # and the blocks did the work: the float model is further away
         plain = torch.log_softmax(model(torch.tensor([PROMPT])).logits[0], -1)

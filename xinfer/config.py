@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 QUANTIZATIONS = ("auto", "none", "gguf")
 DTYPES = ("float32", "bfloat16", "float16")
 POOLINGS = ("last", "mean")
-ISQ_FORMATS = ("q8_0", "q4_0", "q4_1")  # xinfer/loader/isq.py FORMATS
+ISQ_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q6_k")  # xinfer/loader/isq.py FORMATS
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2", "turbo8", "turbo4", "turbo3")
 
 
@@ -127,9 +127,7 @@ class EngineConfig:
             return
         self.isq = self.isq.lower()
         if self.isq not in ISQ_FORMATS:
-            why = (" (the CPU kernels read only those block types, and the gguf package, whose bytes ours "
-                   "must equal, has no quantizer for k-quants)" if self.isq in ("q4_k", "q6_k") else "")
-            raise ValueError(f"--isq must be one of {list(ISQ_FORMATS)}, got {self.isq!r}{why}")
+            raise ValueError(f"--isq must be one of {list(ISQ_FORMATS)}, got {self.isq!r}")
         if self.quantization == "none":
             raise ValueError("--isq needs --quantization auto or gguf (none keeps float weights only)")
 

@@ -1,12 +1,14 @@
 """--isq: quantize a float checkpoint's linear weights to GGUF blocks at load, so HF models run on
 the same CPU block kernels (ops/quant.py) as a quantized GGUF file.
 
-The quantizers give the bytes the `gguf` package's `gguf.quants.quantize` gives for the same float32
-input (tests/test_quantized.py holds them to that): the same float32 numpy operations in the same
-order, a chunk of rows at a time so the temporaries stay in cache (numpy, not torch: torch's thread
-pool, forking and joining per small op, ran 30x slower whenever another process held a core). The
-blocks are cached on disk, keyed by the checkpoint's files (names, sizes, mtimes) and the format, so
-a second start skips the work.
+The legacy quantizers give the bytes the `gguf` package's `gguf.quants.quantize` gives for the same
+float32 input (tests/test_quantized.py holds them to that): the same float32 numpy operations in the
+same order, a chunk of rows at a time so the temporaries stay in cache (numpy, not torch: torch's
+thread pool, forking and joining per small op, ran 30x slower whenever another process held a core).
+The K-quants, which gguf cannot write, are llama.cpp's reference quantizers (xinfer/loader/kquant.py);
+a weight whose rows are not whole 256-weight super-blocks falls back as llama-quantize does (q4_k to
+Q5_0, q6_k to Q8_0). The blocks are cached on disk, keyed by the checkpoint's files (names, sizes,
+mtimes) and the format, so a second start skips the work.
 """
 from __future__ import annotations
 
@@ -23,8 +25,9 @@ import torch
 from ops.quant import QuantWeight
 from xinfer import envs
 from xinfer.config import ISQ_FORMATS
-from xinfer.loader import hf
+from xinfer.loader import hf, kquant
 from xinfer.loader.dequant import size
+from xinfer.loader.gguf import BLOCK_TYPES
 
 log = logging.getLogger("xinfer.loader")
 
@@ -71,16 +74,29 @@ def _q4_1(b: np.ndarray) -> np.ndarray:
     return np.concatenate([_half_bytes(d), _half_bytes(mn), _nibbles(q)], -1)
 
 
-_QUANT = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_1": _q4_1}
+def _q5_0(b: np.ndarray) -> np.ndarray:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize as gguf_quantize
+    return gguf_quantize(b, GGMLQuantizationType.Q5_0).reshape(len(b), -1)
+
+
+_QUANT = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_1": _q4_1, "q5_0": _q5_0, "q4_k": kquant.q4_k, "q6_k": kquant.q6_k}
+_FALLBACK = {"q4_k": "q5_0", "q6_k": "q8_0"}  # llama-quantize's, for rows that are not whole super-blocks
+
+
+def block_format(fmt: str, k: int) -> str:
+    """The format a weight with rows of k weights gets for --isq `fmt`."""
+    return _FALLBACK[fmt] if fmt in _FALLBACK and k % 256 else fmt
 
 
 def quantize(w: torch.Tensor, fmt: str) -> torch.Tensor:
-    """[N, K] float (K a multiple of 32) -> [N, K / 32 * block bytes] uint8, GGUF's block bytes."""
+    """[N, K] float (K a multiple of the format's block) -> [N, K / block * block bytes] uint8, GGUF's bytes."""
     n, k = w.shape
-    if k % 32:
-        raise ValueError(f"{fmt} needs rows of a multiple of 32 weights, got {k}")
+    size = BLOCK_TYPES[fmt.upper()][0]
+    if k % size:
+        raise ValueError(f"{fmt} needs rows of a multiple of {size} weights, got {k}")
     fn, rows = _QUANT[fmt], max(1, _CHUNK // k)
-    out = [fn(w[i:i + rows].float().numpy().reshape(-1, 32)).reshape(min(rows, n - i), -1) for i in range(0, n, rows)]
+    out = [fn(w[i:i + rows].float().numpy().reshape(-1, size)).reshape(min(rows, n - i), -1) for i in range(0, n, rows)]
     return torch.from_numpy(np.concatenate(out)) if out else torch.empty(0, dtype=torch.uint8)
 
 
@@ -89,11 +105,12 @@ def targets(model, fmt: str) -> dict[str, tuple[object, str]]:
     split into 32-weight blocks, and the output head."""
     from xinfer.models.layers import Linear
     from xinfer.models.moe import Experts
-    out = {f"{n}.weight": (m, fmt) for n, m in model.named_modules()
+    out = {f"{n}.weight": (m, block_format(fmt, m.weight.shape[1])) for n, m in model.named_modules()
            if isinstance(m, Linear) and m.weight.dim() == 2 and m.weight.shape[1] % 32 == 0}
     for n, m in model.named_modules():  # routed experts: each stack quantized as rows, read per expert
         if isinstance(m, Experts):
-            out.update({f"{n}.{p}": (m, fmt) for p in ("gate_up_proj", "down_proj") if getattr(m, p).shape[2] % 32 == 0})
+            out.update({f"{n}.{p}": (m, block_format(fmt, getattr(m, p).shape[2])) for p in ("gate_up_proj", "down_proj")
+                        if getattr(m, p).shape[2] % 32 == 0})
     head = getattr(model, "head_param_name", None)
     if head is not None and dict(model.named_parameters())[head()].shape[1] % 32 == 0:
         out[head()] = (model, HEAD_FORMAT)
@@ -149,10 +166,10 @@ def _read_cache(path: Path, want: dict, params: dict) -> dict | None:
     except Exception as e:  # a truncated or foreign file: quantize again
         log.warning("ignoring unreadable --isq cache %s: %s", path, e)
         return None
-    from xinfer.loader.gguf import BLOCK_TYPES
     for name, (_, f) in want.items():
         shape = _rows(params[name])
-        if name not in got or tuple(got[name].shape) != (shape[0], shape[1] // 32 * BLOCK_TYPES[f.upper()][1]):
+        size, nbytes = BLOCK_TYPES[f.upper()]
+        if name not in got or tuple(got[name].shape) != (shape[0], shape[1] // size * nbytes):
             return None
     return got
 
