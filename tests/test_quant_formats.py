@@ -7,7 +7,9 @@ import json
 import pytest
 import torch
 
+from ops import cpu_kernels
 from tests.test_quantized import _check, _dequantized_ref, _engine, _llama, _save_quantized
+from xinfer.models.layers import Linear
 from xinfer.loader.dequant import E2M1, dequant_mxfp4, dequant_nvfp4, dequant_scaled, dequant_wna16, unpack_e2m1
 from xinfer.loader.quant_config import detect
 
@@ -164,16 +166,28 @@ def _cases():
         perm = torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(w.shape[0]))
         return _wna16(w, 4, 32, False, perm)
 
+    def wna16_plain(bits, symmetric, gs):
+        return lambda w: _wna16(w, bits, gs, symmetric)
+
     return {
         "nvfp4_modelopt": ({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}, nv_modelopt),
         "nvfp4_ct": (_ct("nvfp4-pack-quantized", {"num_bits": 4, "type": "float", "group_size": 16}), nv_ct),
         "mxfp4_ct": (_ct("mxfp4-pack-quantized", {"num_bits": 4, "type": "float", "group_size": 32}), mx),
         "wna16_ct": (_ct("pack-quantized", {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32,
                                             "symmetric": False, "actorder": "group"}), wna16),
+        "wna16_asym_ct": (_ct("pack-quantized", {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32,
+                                                 "symmetric": False}), wna16_plain(4, False, 32)),
+        "wna16_8bit_ct": (_ct("pack-quantized", {"num_bits": 8, "type": "int", "strategy": "group", "group_size": 64,
+                                                 "symmetric": True}), wna16_plain(8, True, 64)),
         "fp8_ct": (_ct("float-quantized", {"num_bits": 8, "type": "float", "strategy": "channel"}), fp8_channel),
         "int8_ct": (_ct("int-quantized", {"num_bits": 8, "type": "int", "strategy": "channel"}), int8_channel),
         "fp8_tensor": ({"quant_method": "fp8", "activation_scheme": "static"}, fp8_tensor),
     }
+
+
+# formats the CPU block kernels read in place, and the blocks they become (kind, scales a block, offsets)
+IN_PLACE = {"nvfp4_modelopt": ("q8", 2, False), "nvfp4_ct": ("q8", 2, False), "mxfp4_ct": ("q8", 1, False),
+            "wna16_asym_ct": ("q4", 1, True), "wna16_8bit_ct": ("q8", 1, True)}
 
 
 @pytest.mark.parametrize("name", sorted(_cases()))
@@ -186,6 +200,14 @@ def test_checkpoint_matches_transformers_on_the_dequantized_weights(tmp_path, na
     with caplog.at_level("WARNING", logger="xinfer.loader"):
         _check(_engine(tmp_path, quantization="none"), ref)
     assert any("dequantized at load" in r.message for r in caplog.records)
+    if name in IN_PLACE and cpu_kernels.available():  # the block kernels on the same weights, within float32 sums
+        e = _engine(tmp_path)
+        got = {(lin.blocks.kind, lin.blocks.gs, lin.blocks.m is not None)
+               for lin in e.runner.model.model.modules() if isinstance(lin, Linear) and lin.blocks is not None}
+        assert got == {IN_PLACE[name]}, got
+        assert sum(isinstance(lin, Linear) for lin in e.runner.model.model.modules()) == sum(
+            isinstance(lin, Linear) and lin.blocks is not None for lin in e.runner.model.model.modules())
+        _check(e, ref)
 
 
 def test_mixed_compressed_tensors_groups_are_refused(tmp_path):

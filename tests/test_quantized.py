@@ -399,6 +399,12 @@ def test_gptq_awq_checkpoints(tmp_path, method):
     ref = _dequantized_ref(model, lambda w: _int_quant(w, 4, group, rng.permutation(w.shape[1]) if act_order
                                                        else None)[4])
     _check(_engine(tmp_path, quantization="none"), ref)
+    from ops import cpu_kernels
+    if cpu_kernels.available():  # q4 blocks read in place, but not act-order's scattered groups
+        e = _engine(tmp_path)
+        kinds = [lin.blocks and lin.blocks.kind for lin in e.runner.model.model.modules() if isinstance(lin, Linear)]
+        assert set(kinds) == ({None} if act_order else {"q4"})
+        _check(e, ref)
 
 
 def test_isq_quantizes_moe_experts(tmp_path, kernels, monkeypatch):

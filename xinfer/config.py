@@ -154,12 +154,14 @@ class EngineConfig:
             self.max_model_len = model_config.get("max_position_embeddings") or 4096
         return self
 
-    def resolve_quantization(self, quantized_gguf: bool) -> None:
-        """Settle 'auto' once the checkpoint is known; an explicit gguf that cannot run is an error."""
+    def resolve_quantization(self, has_blocks: bool) -> None:
+        """Settle 'auto' once the checkpoint is known (`has_blocks`: weights the block kernels read,
+        ModelInfo.has_blocks); an explicit gguf that cannot run is an error."""
         if self.quantization == "none":
             return
         from ops import cpu_kernels
-        why = ("the model is not a GGUF with quantized weights" if not (quantized_gguf or self.isq)
+        why = ("the model has no weights the block kernels read (a quantized GGUF, or a GPTQ, AWQ, WNA16, NVFP4 or "
+               "MXFP4 checkpoint)" if not (has_blocks or self.isq)
                else "the kernels run on the CPU only" if not self.device.startswith("cpu")
                else f"the kernels compute in float32, not {self.dtype}" if self.dtype != "float32"
                else "the CPU kernels could not be built here (they need a C compiler and AVX-512 or AVX2)"

@@ -51,7 +51,7 @@ class Engine:
         self.config = config = config or EngineConfig(**kwargs)
         self.info = info = load_model_info(config.model, config.load_format, config.read_chat_template())
         config.resolve(info.config)
-        config.resolve_quantization(info.kind == "gguf" and info.gguf.quantized)
+        config.resolve_quantization(info.has_blocks)
         spec.check(config, info)
         parallel.check(config, info.config)
         self.tokenizer = info.tokenizer

@@ -55,7 +55,7 @@ def _main(config: EngineConfig, topology: Topology, log_level: str, parent: int)
     try:
         info = load_model_info(config.model, config.load_format)
         config.resolve(info.config)
-        config.resolve_quantization(info.kind == "gguf" and info.gguf.quantized)
+        config.resolve_quantization(info.has_blocks)
         spec.check(config, info)
         parallel.check(config, info.config)
         proc.core = EngineCore(config, info, ProcessRunner(config, topology, log_level))

@@ -31,6 +31,15 @@ class ModelInfo:
         return Path(self.path).stem if self.kind == "gguf" else Path(self.path).name
 
     @property
+    def has_blocks(self) -> bool:
+        """Weights that the CPU block kernels read: a quantized GGUF, or an HF checkpoint in a format
+        they read in place (xinfer/loader/dequant.py BLOCK_METHODS)."""
+        from xinfer.loader.quant_config import BLOCK_METHODS
+        if self.kind == "gguf":
+            return self.gguf.quantized
+        return self.quant is not None and self.quant.method in BLOCK_METHODS
+
+    @property
     def eos_token_ids(self) -> list[int]:
         return self.tokenizer.eos_token_ids if self.tokenizer else _as_list(self.config.get("eos_token_id"))
 

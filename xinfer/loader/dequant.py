@@ -1,10 +1,16 @@
-"""Quantized HF checkpoints (FP8, GPTQ, AWQ, NVFP4, MXFP4, compressed-tensors) dequantized once at
-load into float weights.
-
-No kernel here reads these formats in place, so each quantized linear becomes an ordinary float
-weight under its checkpoint name (`<prefix>.weight`) and the usual weight loaders fuse QKV and
-gate-up shards as for a float checkpoint; the memory that costs is logged. `--isq` can turn the
-result into GGUF blocks again for the CPU kernels.
+"""Quantized HF checkpoints (FP8, GPTQ, AWQ, NVFP4, MXFP4, compressed-tensors): each quantized
+linear becomes a float weight under its checkpoint name (`<prefix>.weight`), so the usual weight
+loaders fuse QKV and gate-up shards as for a float checkpoint, and, where the format maps onto the
+CPU block kernels' layouts exactly (`blocks_of`), also a QuantWeight that small batches read in
+place, as they read a GGUF file's blocks:
+- 4-bit GPTQ, AWQ and WNA16 with groups of a multiple of 32 and no act-order: q4 blocks,
+  d = scale, m = -(scale * zero) (a float16 or bfloat16 scale times a 4-bit zero is exact in float32,
+  so the kernel's fma(q, d, m) rounds scale * (q - zero) once, as the definition does);
+- 8-bit ones: q8 blocks of q - 128 with m = scale * (128 - zero);
+- NVFP4: q8 blocks of 2 * e2m1 (integers -12..12) with two scales a block, (scale * global) / 2;
+- MXFP4: q8 blocks of 2 * e2m1 with d = 2^(e - 128).
+FP8 and act-order groups stay float only; the memory the float weights cost is logged. `--isq`
+turns any of them into GGUF blocks instead.
 
 Each dequantizer follows its format's definition (W is [out, in] as `nn.Linear` holds it):
 - fp8 blocks: W = fp8 * weight_scale_inv[i // bs0, j // bs1].
@@ -18,8 +24,8 @@ Each dequantizer follows its format's definition (W is [out, in] as `nn.Linear` 
 - scaled (fp8 without blocks, ModelOpt FP8, compressed-tensors float- and int-quantized): W = w * weight_scale,
   one scale per tensor, per output row ([out, 1]) or per `block` ([ceil(out / bs0), ceil(in / bs1)]).
 - NVFP4 (ModelOpt; compressed-tensors nvfp4-pack-quantized): uint8 [out, in / 2], two E2M1 values a byte,
-  the lower nibble first; weight_scale float8_e4m3 [out, in / 16]; W = e2m1 * weight_scale * weight_scale_2
-  (ModelOpt) or * weight_scale / weight_global_scale (compressed-tensors keeps the reciprocal).
+  the lower nibble first; weight_scale float8_e4m3 [out, in / 16]; W = e2m1 * (weight_scale * weight_scale_2)
+  (ModelOpt) or * (weight_scale / weight_global_scale) (compressed-tensors keeps the reciprocal).
 - MXFP4 (compressed-tensors mxfp4-pack-quantized): the same E2M1 bytes, weight_scale uint8 E8M0
   [out, in / 32]: W = e2m1 * 2^(weight_scale - 127).
 - WNA16 (compressed-tensors pack-quantized): weight_packed int32 [out, in * bits / 32] packed along `in`,
@@ -34,6 +40,7 @@ import logging
 
 import torch
 
+from ops.quant import QuantWeight
 from xinfer.errors import ModelLoadError
 from xinfer.loader import hf
 from xinfer.loader.quant_config import QuantScheme
@@ -72,11 +79,14 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return torch.tensor(E2M1)[codes]
 
 
+def nvfp4_scales(scale, global_scale) -> torch.Tensor:
+    """Each 16 weights' scale times the tensor's, in float32: the one rounding before the E2M1 value."""
+    return scale.float() * torch.as_tensor(global_scale).float().reshape(())
+
+
 def dequant_nvfp4(packed, scale, global_scale) -> torch.Tensor:
     v = unpack_e2m1(packed)
-    n, k = v.shape
-    s = scale.float().repeat_interleave(16, 1)[:, :k]
-    return v * s * global_scale.float().reshape(())
+    return v * nvfp4_scales(scale, global_scale).repeat_interleave(16, 1)[:, :v.shape[1]]
 
 
 def dequant_mxfp4(packed, scale) -> torch.Tensor:
@@ -192,15 +202,87 @@ def _dequant(scheme: QuantScheme, p: dict) -> torch.Tensor:
     if m == "nvfp4":
         return dequant_nvfp4(p["weight"], p["weight_scale"], p["weight_scale_2"])
     if m == "nvfp4_ct":
-        return dequant_nvfp4(p["weight_packed"], p["weight_scale"], 1.0 / p["weight_global_scale"].float())
+        return dequant_nvfp4(p["weight_packed"], p["weight_scale"], _ct_global(p))
     if m == "mxfp4_ct":
         return dequant_mxfp4(p["weight_packed"], p["weight_scale"])
     return dequant_wna16(p["weight_packed"], p["weight_scale"], p["weight_zero_point"], p["weight_g_idx"],
                          p["weight_shape"], scheme.bits, scheme.group_size)
 
 
-def iter_dequantized(folder: str, scheme: QuantScheme, dtype: torch.dtype):
-    """(name, tensor) as iter_safetensors yields them, each quantized linear as a float `.weight`."""
+def _ct_global(p: dict) -> torch.Tensor:
+    return 1.0 / p["weight_global_scale"].float()
+
+
+def _groups(s: torch.Tensor, k: int, group_size: int) -> torch.Tensor | None:
+    """[N, G] group scales -> [N, k / 32], one per 32-weight block; None where groups cut blocks."""
+    g = group_size if group_size > 0 else k
+    if k % 32 or g % 32 or s.shape[1] != -(-k // g):
+        return None
+    return s.float().repeat_interleave(g // 32, 1)[:, :k // 32].contiguous()
+
+
+def _int_blocks(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, bits: int, group_size: int):
+    """q [N, K] integers 0 .. 2^bits - 1, scales s and zero points z [N, G]: W = s * (q - z)."""
+    n, k = q.shape
+    d, zb = _groups(s, k, group_size), _groups(z, k, group_size)
+    if d is None or bits not in (4, 8):
+        return None
+    if bits == 4:
+        b = q.to(torch.uint8).view(n, k // 32, 2, 16)
+        qs = (b[:, :, 0] | (b[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+        return QuantWeight("q4", qs, d, -(d * zb), (n, k))
+    return QuantWeight("q8", (q - 128).to(torch.int8).contiguous(), d, d * (128 - zb), (n, k))
+
+
+def _fp4_blocks(packed, d: torch.Tensor, per: int):
+    """E2M1 bytes as q8 blocks of 2 * value (integers -12 .. 12) with d = scale / 2 per `per` weights."""
+    q = (unpack_e2m1(packed) * 2).to(torch.int8)
+    n, k = q.shape
+    if k % 32 or d.shape[1] * per < k:
+        return None
+    return QuantWeight("q8", q.contiguous(), (d[:, :k // per] / 2).contiguous(), None, (n, k), 32 // per)
+
+
+def _trivial(g_idx, k: int, group_size: int) -> bool:
+    return g_idx is None or torch.equal(g_idx.long(), torch.arange(k) // (group_size if group_size > 0 else k))
+
+
+def blocks_of(scheme: QuantScheme, p: dict) -> QuantWeight | None:
+    """The linear as the CPU block kernels' blocks, the same weights as `_dequant`'s (see the module
+    docstring), or None where its layout does not map onto them."""
+    m = scheme.method
+    if m in ("gptq", "awq"):
+        q = unpack_int32(p["qweight"], scheme.bits, 0) if m == "gptq" else _awq_columns(unpack_int32(p["qweight"], 4, 1))
+        k = q.shape[0]
+        if m == "gptq":
+            if not _trivial(p["g_idx"], k, scheme.group_size):
+                return None
+            z = (unpack_int32(p["qzeros"], scheme.bits, 1)[:, :q.shape[1]] + scheme.zero_offset) & ((1 << scheme.bits) - 1)
+        else:
+            z = _awq_columns(unpack_int32(p["qzeros"], 4, 1))
+        return _int_blocks(q.t(), p["scales"].t(), z.t(), scheme.bits if m == "gptq" else 4, scheme.group_size)
+    if m == "wna16":
+        shape = p["weight_shape"]
+        n, k = (int(x) for x in shape) if shape is not None else (p["weight_packed"].shape[0],
+                                                                 p["weight_packed"].shape[1] * 32 // scheme.bits)
+        if not _trivial(p["weight_g_idx"], k, scheme.group_size):
+            return None
+        q = unpack_int32(p["weight_packed"], scheme.bits, 1)[:, :k]
+        s = p["weight_scale"]
+        z = (torch.full(s.shape, 1 << (scheme.bits - 1), dtype=torch.int32) if p["weight_zero_point"] is None
+             else unpack_int32(p["weight_zero_point"], scheme.bits, 0)[:n])
+        return _int_blocks(q, s, z, scheme.bits, scheme.group_size)
+    if m in ("nvfp4", "nvfp4_ct"):
+        packed = p["weight"] if m == "nvfp4" else p["weight_packed"]
+        return _fp4_blocks(packed, nvfp4_scales(p["weight_scale"], p["weight_scale_2"] if m == "nvfp4" else _ct_global(p)), 16)
+    if m == "mxfp4_ct":
+        return _fp4_blocks(p["weight_packed"], torch.exp2(p["weight_scale"].to(torch.uint8).float() - 127.0), 32)
+    return None
+
+
+def iter_dequantized(folder: str, scheme: QuantScheme, dtype: torch.dtype, blocks: list | None = None):
+    """(name, tensor) as iter_safetensors yields them, each quantized linear as a float `.weight`;
+    `blocks` (a list) also collects (name, QuantWeight) of those the block kernels read in place."""
     shards = _Shards(folder)
     names, required = FORMATS[scheme.method]
     key = "." + names[0]
@@ -216,18 +298,21 @@ def iter_dequantized(folder: str, scheme: QuantScheme, dtype: torch.dtype):
                 if missing:
                     raise ValueError(f"{', '.join(missing)} missing")
                 w = _dequant(scheme, parts)
+                q = blocks_of(scheme, parts) if blocks is not None else None
             except (KeyError, ValueError, RuntimeError, IndexError, TypeError) as e:
                 raise ModelLoadError(f"{scheme.method} weight {prefix}: {type(e).__name__}: {e}") from None
             stored += sum(t.numel() * t.element_size() for t in parts.values() if t is not None)
             dense += w.numel() * torch.tensor([], dtype=dtype).element_size()
+            if q is not None and q.shape == tuple(w.shape):
+                blocks.append((f"{prefix}.weight", q))
             yield f"{prefix}.weight", w
         elif name in skip:
             continue  # read with its quantized weight
         else:
             yield name, shards.get(name)
     if dense:
-        log.warning("%s weights dequantized at load (no kernel reads them in place): %s resident in %s "
-                    "instead of the checkpoint's %s", scheme.method, size(dense), str(dtype).removeprefix("torch."),
+        log.warning("%s weights dequantized at load: %s resident in %s (for batches the block kernels do not "
+                    "take) beside the checkpoint's %s", scheme.method, size(dense), str(dtype).removeprefix("torch."),
                     size(stored))
 
 

@@ -25,6 +25,10 @@ class QuantScheme:
     raw: dict = field(default_factory=dict, repr=False)
 
 
+# formats whose linears the CPU block kernels read as they are (xinfer/loader/dequant.py blocks_of)
+BLOCK_METHODS = ("gptq", "awq", "wna16", "nvfp4", "nvfp4_ct", "mxfp4_ct")
+
+
 def detect(folder: str) -> QuantScheme | None:
     """None for a float checkpoint; ModelLoadError for a quantized format that does not load."""
     p = Path(folder)

@@ -15,7 +15,9 @@ from xinfer.models import model_class
 log = logging.getLogger("xinfer.loader")
 
 
-def build_model(info: ModelInfo, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+def build_model(info: ModelInfo, dtype: torch.dtype, device: torch.device, blocks: list | None = None) -> torch.nn.Module:
+    """`blocks`: a list that collects a quantized HF checkpoint's linears the CPU block kernels read
+    in place, (name, QuantWeight), beside their float weights."""
     cls = model_class(info.config)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -30,7 +32,7 @@ def build_model(info: ModelInfo, dtype: torch.dtype, device: torch.device) -> to
         if info.kind == "gguf":
             weights = info.gguf.tensors()
         elif info.quant is not None:
-            weights = iter_dequantized(info.path, info.quant, dtype)
+            weights = iter_dequantized(info.path, info.quant, dtype, blocks)
         else:
             weights = hf.iter_safetensors(info.path)
         try:

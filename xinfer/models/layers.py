@@ -211,24 +211,24 @@ def load_weights(model: nn.Module, weights, remap=None) -> set[str]:
 
 
 def attach_blocks(model: nn.Module, blocks, remap=None) -> int:
-    """Give each Linear whose every shard comes as GGUF blocks its QuantWeight (the shards' rows in
-    order); `blocks` yields (checkpoint name, GGUF type, raw blocks, shape). The output head's
-    blocks (the model's `head_param_name()`) go to `model.head_blocks`. Returns how many weights got
-    blocks."""
+    """Give each Linear whose every shard comes as blocks its QuantWeight (the shards' rows in
+    order); `blocks` yields (checkpoint name, QuantWeight): a GGUF file's, or a quantized HF
+    checkpoint's (xinfer/loader/dequant.py). The output head's blocks (the model's
+    `head_param_name()`) go to `model.head_blocks`. Returns how many weights got blocks."""
     linears = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, Linear)}
     parts: dict[str, dict] = {}
     head = None
     stacks: dict[str, dict] = {}  # MoE expert stacks: {experts module: {part: QuantWeight}}
-    for name, kind, raw, shape in blocks:
+    for name, q in blocks:
         if "_stack." in name:
             module, part = name.rsplit(".", 1)[0].rsplit(".", 1)
-            stacks.setdefault(module, {})[part.removesuffix("_stack")] = QuantWeight.from_gguf(kind, raw, shape)
+            stacks.setdefault(module, {})[part.removesuffix("_stack")] = q
             continue
         pname, shard = _target(name, remap)
         if pname == model.head_param_name():
-            head = QuantWeight.from_gguf(kind, raw, shape)
+            head = q
         elif pname in linears:
-            lin, q = linears[pname], QuantWeight.from_gguf(kind, raw, shape)
+            lin = linears[pname]
             try:
                 if shard is None and lin.parallel and len(lin.shards) > 1:  # fused, stored whole: split, then ours
                     parts.setdefault(pname, {}).update({k: lin.local(q.narrow(0, *lin.full[k]), k) for k in lin.full})

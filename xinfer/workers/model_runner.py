@@ -11,7 +11,7 @@ import torch
 
 from ops import cpu_isa, cpu_kernels, kv_quant, turbo_quant
 from ops.attention import get_backend
-from ops.quant import max_rows
+from ops.quant import QuantWeight, max_rows
 from ops.sampling import sample
 from ops.speculative import verify
 from xinfer import hybrid, spec
@@ -109,16 +109,24 @@ class ModelRunner:
         """The model with its fast CPU weights: GGUF blocks (a quantized GGUF's own, or --isq's for
         a float checkpoint, when the target's --quantization settled on gguf) and bfloat16 copies
         (--cpu-matmul bfloat16)."""
-        model = build_model(dataclasses.replace(info, config=cfg), self.dtype, self.device)
-        if self.config.quantization == "gguf" and info.kind == "gguf" and info.gguf.quantized:
-            n = attach_blocks(model, info.gguf.quantized_blocks(), model.remap)
+        kernels = self.config.quantization == "gguf"
+        # a quantized HF checkpoint's linears that the block kernels read as they are (without --isq)
+        ckpt_blocks = [] if kernels and info.quant is not None and not self.config.isq else None
+        model = build_model(dataclasses.replace(info, config=cfg), self.dtype, self.device, ckpt_blocks)
+        if kernels and info.kind == "gguf" and info.gguf.quantized:
+            n = attach_blocks(model, ((name, QuantWeight.from_gguf(*b)) for name, *b in info.gguf.quantized_blocks()),
+                              model.remap)
             log.info("GGUF blocks kept for %d weights (batches of up to %d rows read them)", n,
                      max_rows(self.config.cpu_matmul == "bfloat16"))
-        elif self.config.isq and self.config.quantization == "gguf":
+        elif self.config.isq and kernels:
             if info.kind == "gguf":
                 log.info("--isq %s: %s is a GGUF file, its own tensor types stay", self.config.isq, info.name)
             else:
                 apply_isq(model, self.config.isq, info.path if info.kind == "hf" else None)
+        elif ckpt_blocks:
+            n = attach_blocks(model, ckpt_blocks, model.remap)
+            log.info("%s: %d of %d quantized weights read in place by the block kernels (batches of up to %d rows)",
+                     info.quant.method, n, len(ckpt_blocks), max_rows(self.config.cpu_matmul == "bfloat16"))
         if self.device.type == "cpu" and self.config.cpu_matmul == "bfloat16":
             attach_bf16(model)
         return model
