@@ -8,7 +8,8 @@ import json
 import sys
 from pathlib import Path
 
-from bench import cmd_compare, cmd_curve, cmd_fidelity, cmd_fuzz, cmd_models, cmd_offline, cmd_serve, cmd_soak
+from bench import (cmd_compare, cmd_curve, cmd_fidelity, cmd_formats, cmd_fuzz, cmd_models, cmd_offline, cmd_serve,
+                   cmd_soak)
 from bench.common import load_scenario
 from xinfer.cli import add_engine_args
 
@@ -112,6 +113,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
 
     cmd_fidelity.add_args(sub.add_parser("fidelity", help="KL divergence, same top token and perplexity of one "
                                          "setting against another (default: xinfer's defaults against float32)"))
+
+    cmd_formats.add_args(sub.add_parser("formats", help="one model in every weight format (GGUF, --isq, GPTQ, AWQ, "
+                                                        "NVFP4, MXFP4, W8, FP8): memory, decode speed, KL divergence"))
 
     cmd_models.add_args(sub.add_parser("models", help="the model test sweep: serve each model, two long answers, "
                                                       "quality flags and throughput in one table"))

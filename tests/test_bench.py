@@ -528,3 +528,27 @@ def test_models_sweep_end_to_end(tiny_llama_path, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     row = json.loads(out.read_text())["models"][0]
     assert row["verdict"] == "timing only" and row["thinking_off"]["completion_tokens"] == 16
+
+
+def test_formats_on_tiny_model(tmp_path):
+    """`xinfer-bench formats` on a tiny Llama with 256-wide rows: the float folder, --isq K-quants and
+    checkpoint formats written from it, each loaded, timed and scored; the in-place formats on blocks."""
+    import torch
+    import transformers as tf
+    from ops import cpu_kernels
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, eos_token_id=1)
+    tf.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "tiny")
+    out = tmp_path / "formats.json"
+    rc = cli.main(["formats", "--m", str(tmp_path / "tiny"), "--formats", "float,q4_k,gptq-4bit-g64,nvfp4",
+                   "--tokens", "48", "--decode-tokens", "8", "--batch", "2", "--workdir", str(tmp_path / "w"),
+                   "--output", str(out)])
+    assert rc == 0
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["float", "q4_k", "gptq-4bit-g64", "nvfp4"]
+    assert all(r["single_tok_s"] > 0 and r["weight_mib"] > 0 and r["mean_kld"] >= 0 for r in rows.values())
+    if cpu_kernels.available():
+        assert rows["float"]["linears_on_blocks"] == 0
+        assert rows["q4_k"]["linears_on_blocks"] == rows["gptq-4bit-g64"]["linears_on_blocks"] == 4  # fused qkv, o, gate-up, down
+    assert rows["float"]["mean_kld"] < rows["q4_k"]["mean_kld"] < 0.1

@@ -7,80 +7,12 @@ import json
 import pytest
 import torch
 
+from bench.quant_writers import ct as _ct, mxfp4 as _mxfp4, nvfp4 as _nvfp4, wna16 as _wna16
 from ops import cpu_kernels
 from tests.test_quantized import _check, _dequantized_ref, _engine, _llama, _save_quantized
 from xinfer.models.layers import Linear
 from xinfer.loader.dequant import E2M1, dequant_mxfp4, dequant_nvfp4, dequant_scaled, dequant_wna16, unpack_e2m1
 from xinfer.loader.quant_config import detect
-
-POS = torch.tensor(E2M1[:8])
-
-
-def _codes(x):
-    """The nearest E2M1 code of each value (sign in bit 3)."""
-    idx = (x.abs()[..., None] - POS).abs().argmin(-1)
-    return idx + 8 * (x < 0).long()
-
-
-def _pack(codes):
-    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
-
-
-def _nvfp4(w):
-    """(packed, fp8 scale per 16, global) with global = amax / (448 * 6), ModelOpt's weight_scale_2."""
-    n, k = w.shape
-    g = w.abs().max() / (448 * 6)
-    blk = w.view(n, k // 16, 16)
-    scale = (blk.abs().amax(-1) / 6 / g).to(torch.float8_e4m3fn)
-    q = _codes(blk / (scale.float() * g).clamp(min=1e-12)[..., None]).view(n, k)
-    return _pack(q), scale, g.reshape(())
-
-
-def _mxfp4(w):
-    n, k = w.shape
-    blk = w.view(n, k // 32, 32)
-    e = torch.ceil(torch.log2(blk.abs().amax(-1).clamp(min=1e-30) / 6)).clamp(-127, 127)
-    q = _codes(blk / torch.exp2(e)[..., None]).view(n, k)
-    return _pack(q), (e + 127).to(torch.uint8)
-
-
-def _pack32(q, bits, dim):
-    """compressed-tensors' int32 packing: 32 / bits consecutive values along `dim`, the first lowest."""
-    per = 32 // bits
-    q = q.movedim(dim, -1).to(torch.int64)
-    q = q.reshape(*q.shape[:-1], -1, per)
-    out = sum(q[..., i] << (bits * i) for i in range(per))
-    out = torch.where(out >= 1 << 31, out - (1 << 32), out).to(torch.int32)
-    return out.movedim(-1, dim).contiguous()
-
-
-def _wna16(w, bits, gs, symmetric, perm=None):
-    """Per group of input columns (after act-order's `perm`): symmetric q in [-2^(b-1), 2^(b-1) - 1] or
-    min-max with a zero point; stored as unsigned (plus 2^(b-1)). Returns the tensors and W."""
-    n, k = w.shape
-    g_idx = torch.empty(k, dtype=torch.int32)
-    g_idx[perm if perm is not None else torch.arange(k)] = (torch.arange(k) // gs).int()
-    half, top = 1 << (bits - 1), (1 << bits) - 1
-    scale, zero = torch.empty(n, k // gs), torch.zeros(n, k // gs, dtype=torch.int64)
-    for g in range(k // gs):
-        cols = w[:, g_idx == g]
-        if symmetric:
-            scale[:, g] = cols.abs().amax(1) / (half - 1)
-        else:
-            lo, hi = cols.amin(1), cols.amax(1)
-            scale[:, g] = (hi - lo) / top
-            zero[:, g] = torch.round(-lo / scale[:, g]).clamp(0, top)
-    scale = scale.half().float()
-    s, z = scale[:, g_idx.long()], (zero[:, g_idx.long()] if not symmetric else half)
-    q = (torch.round(w / s) + z).clamp(0, top).to(torch.int64)
-    parts = {"weight_packed": _pack32(q, bits, 1), "weight_scale": scale.half(),
-             "weight_shape": torch.tensor([n, k], dtype=torch.int32)}
-    if not symmetric:
-        parts["weight_zero_point"] = _pack32(zero, bits, 0)
-    if perm is not None:
-        parts["weight_g_idx"] = g_idx
-    return parts, (q - z).float() * s
-
 
 def test_e2m1_codes_and_nibble_order():
     assert unpack_e2m1(torch.tensor([[0x2F, 0x70]], dtype=torch.uint8)).tolist() == [[-6.0, 1.0, 0.0, 6.0]]
@@ -124,13 +56,6 @@ def test_scaled_per_tensor_channel_and_block():
     assert torch.equal(dequant_scaled(w, blocks, (8, 32))[:, 32:], w.float()[:, 32:] * 2)
 
 
-def _ct(fmt, weights=None):
-    return {"quant_method": "compressed-tensors", "format": fmt,
-            "config_groups": {"group_0": {"targets": ["Linear"], "format": fmt, "weights": weights or {}}},
-            "ignore": ["lm_head"]}
-
-
-# name -> (quantization_config, convert(weight) -> stored tensors, the weight they stand for)
 def _cases():
     def nv_modelopt(w):
         p, s, g = _nvfp4(w)

@@ -13,6 +13,7 @@ import transformers as tf
 from gguf import GGMLQuantizationType as Q
 from safetensors.torch import save_file
 
+from bench.quant_writers import int_quant as _int_quant, pack_cols as _pack_cols, pack_rows as _pack_rows
 from xinfer import Engine, EngineConfig, SamplingParams
 from xinfer.errors import ModelLoadError
 from xinfer.loader import isq, load_model_info
@@ -315,47 +316,6 @@ def test_fp8_block_checkpoint(tmp_path, caplog, kernels, monkeypatch):
 
 
 # ---- GPTQ and AWQ, packed here from their definitions
-
-def _pack_rows(q: np.ndarray, bits: int) -> np.ndarray:
-    """GPTQ qweight: values along axis 0, 32 / bits to an int32, the first in the lowest bits."""
-    per = 32 // bits
-    out = np.zeros((q.shape[0] // per, q.shape[1]), dtype=np.uint32)
-    for i in range(per):
-        out |= q[i::per].astype(np.uint32) << np.uint32(bits * i)
-    return out.view(np.int32)
-
-
-def _pack_cols(q: np.ndarray, bits: int, order=None) -> np.ndarray:
-    """Along axis 1; AWQ puts column order[i] of each group in bit slot i."""
-    per = 32 // bits
-    order = order or list(range(per))
-    out = np.zeros((q.shape[0], q.shape[1] // per), dtype=np.uint32)
-    for i in range(per):
-        out |= q[:, order[i]::per].astype(np.uint32) << np.uint32(bits * i)
-    return out.view(np.int32)
-
-
-def _int_quant(w: torch.Tensor, bits: int, group: int, perm=None):
-    """Asymmetric min-max quantization of W^T [in, out] per group of input rows (after `perm`, the
-    act-order permutation: input row perm[j] goes to group j // group). Returns q, zeros, scales,
-    g_idx and the float W it stands for."""
-    wt = w.t().contiguous().numpy().astype(np.float64)
-    k, n = wt.shape
-    perm = np.arange(k) if perm is None else perm
-    g_idx = np.empty(k, dtype=np.int32)
-    g_idx[perm] = np.arange(k) // group
-    top = (1 << bits) - 1
-    scales, zeros = np.empty((k // group, n), np.float16), np.empty((k // group, n), np.int64)
-    for g in range(k // group):
-        rows = wt[g_idx == g]
-        lo, hi = rows.min(0), rows.max(0)
-        scales[g] = np.maximum((hi - lo) / top, 1e-6)
-        zeros[g] = np.clip(np.round(-lo / scales[g].astype(np.float64)), 0, top)
-    s, z = scales.astype(np.float64)[g_idx], zeros[g_idx]
-    q = np.clip(np.round(wt / s) + z, 0, top).astype(np.int64)
-    deq = torch.from_numpy(((q - z) * s).T.astype(np.float32)).contiguous()
-    return q, zeros, scales, g_idx, deq
-
 
 def test_gptq_dequant_is_the_definition():
     rng = np.random.default_rng(1)
