@@ -141,3 +141,44 @@ def test_mixed_compressed_tensors_groups_are_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": qc}))
     with pytest.raises(Exception, match="does not load"):
         detect(str(tmp_path))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4-pack-quantized", "mxfp4-pack-quantized", "pack-quantized-4-sym",
+                                 "pack-quantized-4-asym", "pack-quantized-8-sym"])
+def test_dequantizers_match_compressed_tensors(fmt):
+    """compressed-tensors' own decompression of the same tensors gives our weights, rounded to the
+    dtype it returns (its scales' dtype); and the block kernels' blocks hold those weights too."""
+    ct = pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed (a test extra): "
+                             "the dequantizers are still checked against the formats' definitions above")
+    from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    from xinfer.loader.dequant import blocks_of
+    from xinfer.loader.quant_config import QuantScheme
+    torch.manual_seed(0)
+    w = torch.randn(64, 256)
+    if fmt.startswith("pack-quantized"):
+        bits, sym = int(fmt.split("-")[2]), fmt.endswith("-sym")
+        parts, _ = _wna16(w, bits, 32, sym)
+        args = dict(num_bits=bits, type="int", strategy="group", group_size=32, symmetric=sym)
+        ours = dequant_wna16(parts["weight_packed"], parts["weight_scale"], parts.get("weight_zero_point"), None,
+                             parts["weight_shape"], bits, 32)
+        scheme = QuantScheme("wna16", bits=bits, group_size=32)
+        fmt = "pack-quantized"
+        parts.setdefault("weight_zero_point", None)
+        parts.setdefault("weight_g_idx", None)
+    elif fmt.startswith("nvfp4"):
+        p, s, g = _nvfp4(w)
+        parts = {"weight_packed": p, "weight_scale": s, "weight_global_scale": (1 / g).reshape(1)}
+        args = dict(num_bits=4, type="float", strategy="tensor_group", group_size=16)
+        ours, scheme = dequant_nvfp4(p, s, 1 / parts["weight_global_scale"].float()), QuantScheme("nvfp4_ct")
+    else:
+        p, e = _mxfp4(w)
+        parts = {"weight_packed": p, "weight_scale": e}
+        args = dict(num_bits=4, type="float", strategy="group", group_size=32, scale_dtype=torch.uint8)
+        ours, scheme = dequant_mxfp4(p, e), QuantScheme("mxfp4_ct")
+    theirs = BaseCompressor.get_value_from_registry(fmt).decompress(
+        {k: v for k, v in parts.items() if v is not None},
+        QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**args)))["weight"]
+    assert ct is not None and torch.equal(ours.to(theirs.dtype), theirs)
+    assert torch.equal(blocks_of(scheme, parts).dequantize(), ours)
