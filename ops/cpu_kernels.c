@@ -518,11 +518,13 @@ void xinfer_rope(float *q, float *k, const float *cos, const float *sin, const i
 // RMSNorm with the residual add, rotary, the K/V store, silu(gate) * up.
 typedef struct {
     const float *ln_in, *ln_post, *q_norm, *k_norm;  // q_norm / k_norm: NULL where the model has none
+    const float *attn_out_norm, *mlp_out_norm;  // Gemma 3's norms of each sublayer's output; else NULL
     xq_linear qkv, o, gate_up, down;
     void *k_cache, *v_cache;  // [blocks, bs, Hkv, D] of kv_kind (xq_kv)
     float *k_scale, *v_scale;  // fp8: [blocks, bs, Hkv]; else NULL
     const float *cos, *sin;    // [positions, rot / 2]
     int rot, window, kv_kind;
+    int act;  // 0: silu(gate) * up; 1: gelu_tanh(gate) * up
     float scale, softcap;
 } xq_layer;
 
@@ -578,16 +580,25 @@ void xinfer_decode(const xq_model *m, const float *x, float *out, int B, const i
                         L->window, L->softcap, s);
             mm_team(&L->o, att, y, B);
 #pragma omp single
-            for (int b = 0; b < B; b++)
+            for (int b = 0; b < B; b++) {
+                if (L->attn_out_norm)
+                    add_rmsnorm_row(y + (size_t)b * H, NULL, L->attn_out_norm, y + (size_t)b * H, H, m->eps, m->offset);
                 add_rmsnorm_row(y + (size_t)b * H, res + (size_t)b * H, L->ln_post, h + (size_t)b * H, H, m->eps,
                                 m->offset);
+            }
             mm_team(&L->gate_up, h, gu, B);
 #pragma omp for schedule(static)
             for (int j = 0; j < B * I; j++) {
                 const float g = gu[(size_t)(j / I) * 2 * I + j % I], u = gu[(size_t)(j / I) * 2 * I + I + j % I];
-                act[j] = g / (1.f + expf(-g)) * u;
+                act[j] = (L->act ? 0.5f * g * (1.f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)))
+                                 : g / (1.f + expf(-g))) * u;
             }
             mm_team(&L->down, act, y, B);
+            if (L->mlp_out_norm) {
+#pragma omp single
+                for (int b = 0; b < B; b++)
+                    add_rmsnorm_row(y + (size_t)b * H, NULL, L->mlp_out_norm, y + (size_t)b * H, H, m->eps, m->offset);
+            }
         }
 #pragma omp single
         for (int b = 0; b < B; b++)

@@ -37,7 +37,7 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
-    layer_cls = Gemma3DecoderLayer
+    layer_cls = c_decode_layer = Gemma3DecoderLayer
     norm_offset = 1.0
     qk_norm = True
 
@@ -48,6 +48,11 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         super().__init__(cfg)
         self.embed_scale = cfg["hidden_size"] ** 0.5
         self.final_softcap = cfg.get("final_logit_softcapping")
+
+    @staticmethod
+    def decode_norms(layer) -> dict:
+        return {"ln_in": layer.input_layernorm, "ln_post": layer.pre_feedforward_layernorm,
+                "attn_out_norm": layer.post_attention_layernorm, "mlp_out_norm": layer.post_feedforward_layernorm}
 
     def make_rotary(self, cfg, idx, layer_type=None):
         kind = self._types[idx]

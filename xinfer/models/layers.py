@@ -115,7 +115,7 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(hidden, [inter, inter], bias=bias, shards=[0, 1], parallel="col")
         self.down_proj = Linear(inter, [hidden], bias=bias, parallel="row", reduce=reduce)
-        self.act = ACTIVATIONS[act]
+        self.act, self.act_name = ACTIVATIONS[act], act
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

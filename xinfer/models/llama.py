@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ops import cpu_decode, kv_quant
@@ -79,6 +78,7 @@ class Model(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     layer_cls = DecoderLayer
+    c_decode_layer = DecoderLayer  # the layer whose shape the one-call C decode step computes
     norm_offset = 0.0
     qk_norm = False
     partial_rotary = 1.0  # the share of each head that rotates when the config does not say
@@ -152,8 +152,8 @@ class LlamaForCausalLM(nn.Module):
             return None
         parts = [self._decode_layer(ly) for ly in layers]
         norms = [] if None in parts else [
-            n for ly in layers for n in (ly.input_layernorm, ly.post_attention_layernorm, ly.self_attn.q_norm,
-                                         ly.self_attn.k_norm) if n is not None] + [self.model.norm]
+            n for ly in layers for n in (*self.decode_norms(ly).values(), ly.self_attn.q_norm, ly.self_attn.k_norm)
+            if n is not None] + [self.model.norm]
         if len({(n.eps, n.offset) for n in norms}) != 1:  # a layer doesn't fit, or the norms differ
             self._cpu_decoder = False
             return None
@@ -163,17 +163,22 @@ class LlamaForCausalLM(nn.Module):
         return self._cpu_decoder
 
     @staticmethod
-    def _decode_layer(layer) -> dict | None:
+    def decode_norms(layer) -> dict:
+        """The layer's norms as the C step applies them: ln_in before attention, ln_post (with the
+        residual add) before the MLP; Gemma 3 adds attn_out_norm and mlp_out_norm."""
+        return {"ln_in": layer.input_layernorm, "ln_post": layer.post_attention_layernorm}
+
+    def _decode_layer(self, layer) -> dict | None:
         a, mlp = layer.self_attn, layer.mlp
-        if type(layer) is not DecoderLayer or type(a) is not Attention or type(mlp) is not GatedMLP \
-                or mlp.act is not F.silu or a.rotary.interleaved or a.k_cache is None \
+        if type(layer) is not self.c_decode_layer or type(a) is not Attention or type(mlp) is not GatedMLP \
+                or mlp.act_name not in cpu_decode.ACTS or a.rotary.interleaved or a.k_cache is None \
                 or a.k_cache.dtype not in kv_quant.C_KINDS:
             return None
         lins = {"qkv": a.qkv_proj, "o": a.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
         if any(lin.blocks is None for lin in lins.values()):
             return None
-        return dict({k: (lin.blocks, lin.bias) for k, lin in lins.items()},
-                    ln_in=layer.input_layernorm.weight, ln_post=layer.post_attention_layernorm.weight,
+        return dict({k: (lin.blocks, lin.bias) for k, lin in lins.items()}, act=mlp.act_name,
+                    **{k: n.weight for k, n in self.decode_norms(layer).items()},
                     q_norm=a.q_norm.weight if a.q_norm is not None else None,
                     k_norm=a.k_norm.weight if a.k_norm is not None else None, k_cache=a.k_cache, v_cache=a.v_cache,
                     cos=a.rotary.cos, sin=a.rotary.sin, rot=a.rotary.rot_dim, window=a.sliding_window or 0,
