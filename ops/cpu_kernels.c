@@ -222,31 +222,32 @@ static void rows_bf16(const xq_linear *w, const uint16_t *xb, float *y, int rows
 
 // y [M, N] = x [M, K] w^T (+ bias), run by every thread of the enclosing parallel region.
 static void mm_team(const xq_linear *w, const float *x, float *y, int M) {
+    // Weight-stationary: each thread takes its share of the output rows n and runs every activation
+    // row through each in passes of mr rows, so a weight row comes from memory once a call (the
+    // later passes find it in L1) however many rows the batch has. Each row's sums are the same
+    // whatever rows share its pass.
 #if HAS_BF16
-    // each thread rounds the rows it reads itself (a few thousand values): no barrier, no shared buffer
-    uint16_t *xb = w->bf16 ? malloc(sizeof(uint16_t) * (size_t)MRB * w->K) : NULL;
+    // each thread rounds the rows itself (M * K values): no barrier, no shared buffer
+    uint16_t *xb = w->bf16 ? malloc(sizeof(uint16_t) * (size_t)M * w->K) : NULL;
+    if (xb) to_bf16(x, xb, M * w->K);
     const int mr = xb ? MRB : MR;
 #else
     const int mr = MR;
 #endif
-    for (int m0 = 0; m0 < M; m0 += mr) {
-        const int rows = M - m0 < mr ? M - m0 : mr;
-        const float *xm = x + (size_t)m0 * w->K;
-        float *ym = y + (size_t)m0 * w->N;
-#if HAS_BF16
-        if (xb) to_bf16(xm, xb, rows * w->K);
-#endif
 #pragma omp for schedule(static)
-        for (int n = 0; n < w->N; n++) {
+    for (int n = 0; n < w->N; n++) {
+        for (int m0 = 0; m0 < M; m0 += mr) {
+            const int rows = M - m0 < mr ? M - m0 : mr;
+            float *ym = y + (size_t)m0 * w->N;
 #if HAS_BF16
             if (xb)
-                rows_bf16(w, xb, ym, rows, n);
+                rows_bf16(w, xb + (size_t)m0 * w->K, ym, rows, n);
             else
 #endif
             if (w->kind == 0)
-                q4_rows(w->qs, w->d, w->m, xm, ym, rows, n, w->K, w->N);
+                q4_rows(w->qs, w->d, w->m, x + (size_t)m0 * w->K, ym, rows, n, w->K, w->N);
             else
-                q8_rows(w->qs, w->d, w->m, w->gs, xm, ym, rows, n, w->K, w->N);
+                q8_rows(w->qs, w->d, w->m, w->gs, x + (size_t)m0 * w->K, ym, rows, n, w->K, w->N);
             if (w->bias)
                 for (int r = 0; r < rows; r++) ym[(size_t)r * w->N + n] += w->bias[n];
         }

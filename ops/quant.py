@@ -23,9 +23,9 @@ from xinfer.loader.gguf import BLOCK_TYPES
 from xinfer import envs
 
 def max_rows(bf16: bool) -> int:
-    """Where the block kernels stop paying: float32 GEMMs catch up at ~16 rows, bfloat16 ones at ~8-16
-    (2-core Zen 4, bench/NOTES-cpu.md)."""
-    return envs.quant_max_rows() or (12 if bf16 else 16)
+    """Where the block kernels stop paying: float32 GEMMs catch up at ~16-24 rows, bfloat16 ones at
+    ~24-32 since the kernels read each weight row once a call (2-core Zen 4, bench/NOTES-cpu.md)."""
+    return envs.quant_max_rows() or (24 if bf16 else 16)
 
 
 MAX_ROWS = max_rows(False)

@@ -72,7 +72,7 @@ def test_bf16_dot_products_match_rounded_float32(type_name):
     result does not depend on the rows beside it (what keeps speculative decoding lossless here)."""
     q, ref = _blocks(type_name)
     q.bf16 = True
-    for rows in [1, 2, 3, 5, 8, 9, 12]:
+    for rows in [1, 2, 3, 5, 8, 9, 12, 17, 24]:
         x = torch.randn(rows, ref.shape[1])
         got = q(x)
         torch.testing.assert_close(got, x.bfloat16().float() @ ref.bfloat16().float().T, rtol=1e-5, atol=1e-5)
