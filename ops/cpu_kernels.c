@@ -310,6 +310,9 @@ static inline const float *kv_row(const xq_kv *c, size_t r, int D, float *buf) {
         for (; i < D; i++) buf[i] = _cvtsh_ss(p[i]);
     } else {  // bfloat16: the top half of a float32
         const uint16_t *p = (const uint16_t *)c->data + r * D;
+        for (; i + 8 <= D; i += 8)
+            _mm256_storeu_ps(buf + i, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                          _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + i))), 16)));
         for (; i < D; i++) {
             const uint32_t u = (uint32_t)p[i] << 16;
             memcpy(buf + i, &u, 4);
