@@ -67,22 +67,15 @@ CHECKPOINTS = {
 ISQ = ("q8_0", "q6_k", "q4_k", "q4_1", "q4_0")
 
 
-def export_float(model: str | None, dst: Path) -> tuple[dict, dict]:
-    """The model as a float safetensors folder; returns (config, state)."""
+def export_float(info, dst: Path) -> dict:
+    """The model (a ModelInfo) as a float safetensors folder; returns its tensors."""
     from safetensors.torch import save_file
-    from xinfer.loader import load_model_info
-    from xinfer.loader.hf import bundled_model_path
-    info = load_model_info(model or bundled_model_path())
-    state = dict(info.gguf.tensors()) if info.kind == "gguf" else dict(_hf_state(info.path))
+    from xinfer.loader.hf import iter_safetensors
+    state = dict(info.gguf.tensors()) if info.kind == "gguf" else dict(iter_safetensors(info.path))
     dst.mkdir(parents=True, exist_ok=True)
     (dst / "config.json").write_text(json.dumps(info.config))
     save_file({k: v.contiguous() for k, v in state.items()}, str(dst / "model.safetensors"))
-    return info.config, state
-
-
-def _hf_state(path):
-    from xinfer.loader.hf import iter_safetensors
-    return iter_safetensors(path)
+    return state
 
 
 def write_checkpoint(config: dict, state: dict, dst: Path, qc: dict, convert) -> None:
@@ -99,27 +92,18 @@ def write_checkpoint(config: dict, state: dict, dst: Path, qc: dict, convert) ->
 
 
 def weight_bytes(model) -> int:
-    """Bytes of every weight tensor the model holds: parameters, GGUF blocks, bfloat16 copies."""
-    seen, total = set(), 0
-
-    def add(t):
-        nonlocal total
-        if isinstance(t, torch.Tensor) and t.numel() and t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-
-    for p in model.parameters():
-        add(p.data)
-    for mod in [model, *model.modules()]:
-        for attr in ("blocks", "head_blocks"):
-            b = getattr(mod, attr, None)
-            for q in (b.values() if isinstance(b, dict) else [b]):
-                for qq in (q if isinstance(q, list) else [q]):
-                    if qq is not None and hasattr(qq, "qs"):
-                        add(qq.qs), add(qq.d), add(qq.m)
-        for attr in ("fast", "head_fast"):
-            add(getattr(mod, attr, None))
-    return total
+    """Bytes of every weight tensor the model holds: parameters, GGUF blocks (MoE experts': a list
+    per part), bfloat16 copies; each storage once."""
+    from ops.quant import QuantWeight
+    found = [p.data for p in model.parameters()]
+    for mod in model.modules():
+        for b in (getattr(mod, "blocks", None), getattr(mod, "head_blocks", None)):
+            parts = b.values() if isinstance(b, dict) else [b]
+            found += [t for v in parts for q in (v if isinstance(v, list) else [v]) if isinstance(q, QuantWeight)
+                      for t in (q.qs, q.d, q.m)]
+        found += [getattr(mod, "fast", None), getattr(mod, "head_fast", None)]
+    dense = {t.data_ptr(): t.numel() * t.element_size() for t in found if isinstance(t, torch.Tensor) and t.numel()}
+    return sum(dense.values())
 
 
 def measure(name: str, fields: dict, ids: list[int], ref_lp, args) -> dict:
@@ -153,9 +137,13 @@ def measure(name: str, fields: dict, ids: list[int], ref_lp, args) -> dict:
 def run(args) -> int:
     from ops import cpu_isa
     from xinfer import Engine, EngineConfig
+    from xinfer.loader import load_model_info
+    from xinfer.loader.hf import bundled_model_path
+    info = load_model_info(args.model or bundled_model_path())
+    config = info.config
     tmp = Path(args.workdir or tempfile.mkdtemp(prefix="xinfer-formats-"))
     print(f"writing the float model and the checkpoint formats under {tmp}", flush=True)
-    config, state = export_float(args.model, tmp / "float")
+    state = export_float(info, tmp / "float")
     wanted = args.formats.split(",") if args.formats else ["float", "gguf", *ISQ, *CHECKPOINTS]
     for name in CHECKPOINTS:
         if name in wanted:
@@ -164,11 +152,9 @@ def run(args) -> int:
                               cpu_matmul="float32"), log_level="warning")
     try:
         text = Path(args.text).read_text()
-        from xinfer.loader import load_model_info
-        from xinfer.loader.hf import bundled_model_path
-        tok = load_model_info(args.model or bundled_model_path()).tokenizer
         # a folder without a tokenizer: the text's bytes as token ids
-        ids = tok.encode(text)[:args.tokens] if tok else [b % config["vocab_size"] for b in text.encode()[:args.tokens]]
+        ids = (info.tokenizer.encode(text)[:args.tokens] if info.tokenizer
+               else [b % config["vocab_size"] for b in text.encode()[:args.tokens]])
         ref_lp = ref.runner.log_probs(ids, ref.config.prefill_chunk_size)
     finally:
         ref.close()
@@ -177,10 +163,9 @@ def run(args) -> int:
         if name == "float":
             fields = {"model": str(tmp / "float"), "quantization": "none"}
         elif name == "gguf":
-            if not (args.model or "").endswith(".gguf") and args.model:
+            if info.kind != "gguf":
                 continue
-            from xinfer.loader.hf import bundled_model_path
-            fields = {"model": args.model or bundled_model_path()}
+            fields = {"model": info.path}
         elif name in ISQ:
             fields = {"model": str(tmp / "float"), "isq": name}
         else:

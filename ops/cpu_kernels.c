@@ -22,6 +22,14 @@
 
 #define MR 4  // activation rows per pass over the weights
 
+// A q8 block's scales: block i (row n * nb + b) has gs of them; without m, fma(q, d, 0) is q * d exactly.
+typedef struct { float d0, d1, m0, m1; } q8_scales;
+static inline q8_scales q8_at(const float *d, const float *mn, size_t i, int gs) {
+    const size_t j = i * gs, k = j + gs - 1;
+    q8_scales s = {d[j], d[k], mn ? mn[j] : 0.f, mn ? mn[k] : 0.f};
+    return s;
+}
+
 #if defined(__AVX512F__)
 #define SIMD_WIDTH 512
 
@@ -33,14 +41,6 @@ static inline void q4_block(const uint8_t *q, float d, float m, __m512 *w0, __m5
     const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
     *w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low))), dv, mv);
     *w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low))), dv, mv);
-}
-
-// A q8 block's scales: block i (row n * nb + b) has gs of them; without m, fma(q, d, 0) is q * d exactly.
-typedef struct { float d0, d1, m0, m1; } q8_scales;
-static inline q8_scales q8_at(const float *d, const float *mn, size_t i, int gs) {
-    const size_t j = i * gs, k = j + gs - 1;
-    q8_scales s = {d[j], d[k], mn ? mn[j] : 0.f, mn ? mn[k] : 0.f};
-    return s;
 }
 
 static inline void q8_block(const int8_t *q, q8_scales s, __m512 *w0, __m512 *w1) {
@@ -179,13 +179,11 @@ static inline void q8_rows(const int8_t *qs, const float *d, const float *mn, in
     for (int r = 0; r < MR; r++) acc[r] = _mm256_setzero_ps();
     const int8_t *q = qs + (size_t)n * K;
     for (int b = 0; b < nb; b++) {
-        const size_t i = ((size_t)n * nb + b) * gs, i1 = i + gs - 1;  // weights 0-15 scale i, 16-31 scale i1
+        const q8_scales sc = q8_at(d, mn, (size_t)n * nb + b, gs);  // weights 0-15: d0, m0; 16-31: d1, m1
         __m256 w[4];
-        for (int j = 0; j < 4; j++) {
-            const size_t k = j < 2 ? i : i1;
+        for (int j = 0; j < 4; j++)
             w[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + b * 32 + 8 * j)))),
-                                   _mm256_set1_ps(d[k]), _mm256_set1_ps(mn ? mn[k] : 0.f));
-        }
+                                   _mm256_set1_ps(j < 2 ? sc.d0 : sc.d1), _mm256_set1_ps(j < 2 ? sc.m0 : sc.m1));
         for (int r = 0; r < rows; r++) {
             const float *xr = x + (size_t)r * K + b * 32;
             for (int j = 0; j < 4; j++) acc[r] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xr + 8 * j), acc[r]);

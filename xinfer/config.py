@@ -21,7 +21,7 @@ class EngineConfig:
     # weights only. auto: gguf where it can run (CPU, float32, the kernels build), else none.
     quantization: str = "auto"
     # In-situ quantization of an HF float checkpoint: every linear's weight also as GGUF blocks in this
-    # format (q8_0, q4_0, q4_1; the head in q8_0) for the CPU kernels, cached on disk (xinfer/loader/isq.py).
+    # format (q8_0, q4_0, q4_1, q4_k, q6_k; the head in q8_0) for the CPU kernels, cached on disk (xinfer/loader/isq.py).
     isq: str | None = None
     # CPU GEMMs of batched decode and prefill: bfloat16 (oneDNN, on BF16 dot-product units) or float32.
     # auto: bfloat16 where the CPU has AVX512_BF16 or AMX and --dtype is auto, else float32; an explicit

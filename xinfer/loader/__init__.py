@@ -7,7 +7,7 @@ from pathlib import Path
 from xinfer.errors import ModelLoadError
 from xinfer.loader import hf
 from xinfer.loader.gguf import load_gguf
-from xinfer.loader.quant_config import QuantScheme, detect
+from xinfer.loader.quant_config import BLOCK_METHODS, QuantScheme, detect
 from xinfer.loader.tokenizer import Tokenizer, load_hf_tokenizer
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -33,8 +33,7 @@ class ModelInfo:
     @property
     def has_blocks(self) -> bool:
         """Weights that the CPU block kernels read: a quantized GGUF, or an HF checkpoint in a format
-        they read in place (xinfer/loader/dequant.py BLOCK_METHODS)."""
-        from xinfer.loader.quant_config import BLOCK_METHODS
+        they read in place (quant_config.BLOCK_METHODS)."""
         if self.kind == "gguf":
             return self.gguf.quantized
         return self.quant is not None and self.quant.method in BLOCK_METHODS

@@ -85,26 +85,44 @@ def nvfp4_scales(scale, global_scale) -> torch.Tensor:
 
 
 def dequant_nvfp4(packed, scale, global_scale) -> torch.Tensor:
-    v = unpack_e2m1(packed)
-    return v * nvfp4_scales(scale, global_scale).repeat_interleave(16, 1)[:, :v.shape[1]]
+    return _fp4(unpack_e2m1(packed), nvfp4_scales(scale, global_scale), 16)
+
+
+def mxfp4_scales(scale) -> torch.Tensor:
+    return torch.exp2(scale.to(torch.uint8).float() - 127.0)
 
 
 def dequant_mxfp4(packed, scale) -> torch.Tensor:
-    v = unpack_e2m1(packed)
-    k = v.shape[1]
-    s = torch.exp2(scale.to(torch.uint8).float() - 127.0).repeat_interleave(32, 1)[:, :k]
-    return v * s
+    return _fp4(unpack_e2m1(packed), mxfp4_scales(scale), 32)
 
 
-def dequant_wna16(packed, scale, zero_point, g_idx, shape, bits: int, group_size: int) -> torch.Tensor:
+def _fp4(v: torch.Tensor, d: torch.Tensor, per: int) -> torch.Tensor:
+    """E2M1 values times their scale, one per `per` weights."""
+    return v * d.repeat_interleave(per, 1)[:, :v.shape[1]]
+
+
+def wna16_ints(packed, scale, zero_point, g_idx, shape, bits: int, group_size: int):
+    """(q [N, K], zero points [N, G], each input column's group [K]) of a pack-quantized weight."""
     n, k = (int(x) for x in shape) if shape is not None else (packed.shape[0], packed.shape[1] * 32 // bits)
     q = unpack_int32(packed, bits, 1)[:, :k]
     if zero_point is None:
         z = torch.full((n, scale.shape[1]), 1 << (bits - 1), dtype=torch.int32)
     else:
         z = unpack_int32(zero_point, bits, 0)[:n]
-    g = g_idx.long() if g_idx is not None else torch.arange(k) // (group_size if group_size > 0 else k)
-    return (q - z[:, g]).float() * scale.float()[:, g]
+    return q, z, _group_index(g_idx, k, group_size)
+
+
+def dequant_wna16(packed, scale, zero_point, g_idx, shape, bits: int, group_size: int) -> torch.Tensor:
+    return _apply(*wna16_ints(packed, scale, zero_point, g_idx, shape, bits, group_size), scale)
+
+
+def _group_index(g_idx, k: int, group_size: int) -> torch.Tensor:
+    return g_idx.long() if g_idx is not None else torch.arange(k) // (group_size if group_size > 0 else k)
+
+
+def _apply(q: torch.Tensor, z: torch.Tensor, g: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """W [N, K] = s * (q - z), the scale and zero point of each input column's group g."""
+    return ((q - z[:, g]).float() * s.float()[:, g]).contiguous()
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -118,25 +136,26 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return q.flatten(dim, dim + 1)
 
 
-def dequant_gptq(qweight, qzeros, scales, g_idx, bits: int, group_size: int, zero_offset: int) -> torch.Tensor:
+def gptq_ints(qweight, qzeros, g_idx, bits: int, group_size: int, zero_offset: int):
+    """(q [N, K], zero points [N, G], each input column's group [K]) of a GPTQ weight."""
     q = unpack_int32(qweight, bits, 0)  # [in, out]
-    k = q.shape[0]
-    if g_idx is None:
-        g_idx = torch.arange(k) // (group_size if group_size > 0 else k)
-    g = g_idx.long()
     # v1's stored zero minus one wraps within `bits` (as AutoGPTQ reads it back): mask after the offset
     z = (unpack_int32(qzeros, bits, 1)[:, :q.shape[1]] + zero_offset) & ((1 << bits) - 1)
-    w = scales.float()[g] * (q - z[g]).float()
-    return w.t().contiguous()
+    return q.t(), z.t(), _group_index(g_idx, q.shape[0], group_size)
+
+
+def dequant_gptq(qweight, qzeros, scales, g_idx, bits: int, group_size: int, zero_offset: int) -> torch.Tensor:
+    return _apply(*gptq_ints(qweight, qzeros, g_idx, bits, group_size, zero_offset), scales.t())
+
+
+def awq_ints(qweight, qzeros, group_size: int):
+    """(q [N, K], zero points [N, G], each input column's group [K]) of an AWQ weight."""
+    q = _awq_columns(unpack_int32(qweight, 4, 1))
+    return q.t(), _awq_columns(unpack_int32(qzeros, 4, 1)).t(), _group_index(None, q.shape[0], group_size)
 
 
 def dequant_awq(qweight, qzeros, scales, group_size: int) -> torch.Tensor:
-    q = _awq_columns(unpack_int32(qweight, 4, 1))
-    z = _awq_columns(unpack_int32(qzeros, 4, 1))
-    k = q.shape[0]
-    g = torch.arange(k) // (group_size if group_size > 0 else k)
-    w = scales.float()[g] * (q - z[g]).float()
-    return w.t().contiguous()
+    return _apply(*awq_ints(qweight, qzeros, group_size), scales.t())
 
 
 def _awq_columns(slots: torch.Tensor) -> torch.Tensor:
@@ -188,29 +207,33 @@ FORMATS = {
 }
 
 
-def _dequant(scheme: QuantScheme, p: dict) -> torch.Tensor:
+def convert(scheme: QuantScheme, p: dict, want_blocks: bool) -> tuple[torch.Tensor, QuantWeight | None]:
+    """A quantized linear's stored tensors -> (its float weight, and where asked and its layout maps
+    onto them, the CPU block kernels' blocks of the same weights; see the module docstring)."""
     m = scheme.method
     if m == "fp8":
-        return dequant_fp8_block(p["weight"], p["weight_scale_inv"], scheme.block)
+        return dequant_fp8_block(p["weight"], p["weight_scale_inv"], scheme.block), None
     if m == "scaled":
-        return dequant_scaled(p["weight"], p["weight_scale"], scheme.block)
+        return dequant_scaled(p["weight"], p["weight_scale"], scheme.block), None
+    if m in ("nvfp4", "nvfp4_ct", "mxfp4_ct"):
+        v = unpack_e2m1(p["weight"] if m == "nvfp4" else p["weight_packed"])
+        per = 32 if m == "mxfp4_ct" else 16
+        d = (mxfp4_scales(p["weight_scale"]) if m == "mxfp4_ct" else
+             nvfp4_scales(p["weight_scale"], p["weight_scale_2"] if m == "nvfp4" else 1.0 / p["weight_global_scale"].float()))
+        return _fp4(v, d, per), _fp4_blocks(v, d, per) if want_blocks else None
     if m == "gptq":
-        return dequant_gptq(p["qweight"], p["qzeros"], p["scales"], p["g_idx"], scheme.bits, scheme.group_size,
-                            scheme.zero_offset)
-    if m == "awq":
-        return dequant_awq(p["qweight"], p["qzeros"], p["scales"], scheme.group_size)
-    if m == "nvfp4":
-        return dequant_nvfp4(p["weight"], p["weight_scale"], p["weight_scale_2"])
-    if m == "nvfp4_ct":
-        return dequant_nvfp4(p["weight_packed"], p["weight_scale"], _ct_global(p))
-    if m == "mxfp4_ct":
-        return dequant_mxfp4(p["weight_packed"], p["weight_scale"])
-    return dequant_wna16(p["weight_packed"], p["weight_scale"], p["weight_zero_point"], p["weight_g_idx"],
-                         p["weight_shape"], scheme.bits, scheme.group_size)
-
-
-def _ct_global(p: dict) -> torch.Tensor:
-    return 1.0 / p["weight_global_scale"].float()
+        ints, s = gptq_ints(p["qweight"], p["qzeros"], p["g_idx"], scheme.bits, scheme.group_size,
+                            scheme.zero_offset), p["scales"].t()
+    elif m == "awq":
+        ints, s = awq_ints(p["qweight"], p["qzeros"], scheme.group_size), p["scales"].t()
+    else:
+        s = p["weight_scale"]
+        ints = wna16_ints(p["weight_packed"], s, p["weight_zero_point"], p["weight_g_idx"], p["weight_shape"],
+                          scheme.bits, scheme.group_size)
+    q, z, g = ints
+    grouped = torch.equal(g, _group_index(None, q.shape[1], scheme.group_size))  # act-order scatters groups
+    blocks = _int_blocks(q, s, z, 4 if m == "awq" else scheme.bits, scheme.group_size) if want_blocks and grouped else None
+    return _apply(q, z, g, s), blocks
 
 
 def _groups(s: torch.Tensor, k: int, group_size: int) -> torch.Tensor | None:
@@ -228,56 +251,23 @@ def _int_blocks(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, bits: int, gr
     if d is None or bits not in (4, 8):
         return None
     if bits == 4:
-        b = q.to(torch.uint8).view(n, k // 32, 2, 16)
+        b = q.to(torch.uint8).reshape(n, k // 32, 2, 16)
         qs = (b[:, :, 0] | (b[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
         return QuantWeight("q4", qs, d, -(d * zb), (n, k))
     return QuantWeight("q8", (q - 128).to(torch.int8).contiguous(), d, d * (128 - zb), (n, k))
 
 
-def _fp4_blocks(packed, d: torch.Tensor, per: int):
-    """E2M1 bytes as q8 blocks of 2 * value (integers -12 .. 12) with d = scale / 2 per `per` weights."""
-    q = (unpack_e2m1(packed) * 2).to(torch.int8)
-    n, k = q.shape
+def _fp4_blocks(v: torch.Tensor, d: torch.Tensor, per: int):
+    """E2M1 values as q8 blocks of 2 * value (integers -12 .. 12) with d = scale / 2 per `per` weights."""
+    n, k = v.shape
     if k % 32 or d.shape[1] * per < k:
         return None
-    return QuantWeight("q8", q.contiguous(), (d[:, :k // per] / 2).contiguous(), None, (n, k), 32 // per)
-
-
-def _trivial(g_idx, k: int, group_size: int) -> bool:
-    return g_idx is None or torch.equal(g_idx.long(), torch.arange(k) // (group_size if group_size > 0 else k))
+    return QuantWeight("q8", (v * 2).to(torch.int8), (d[:, :k // per] / 2).contiguous(), None, (n, k), 32 // per)
 
 
 def blocks_of(scheme: QuantScheme, p: dict) -> QuantWeight | None:
-    """The linear as the CPU block kernels' blocks, the same weights as `_dequant`'s (see the module
-    docstring), or None where its layout does not map onto them."""
-    m = scheme.method
-    if m in ("gptq", "awq"):
-        q = unpack_int32(p["qweight"], scheme.bits, 0) if m == "gptq" else _awq_columns(unpack_int32(p["qweight"], 4, 1))
-        k = q.shape[0]
-        if m == "gptq":
-            if not _trivial(p["g_idx"], k, scheme.group_size):
-                return None
-            z = (unpack_int32(p["qzeros"], scheme.bits, 1)[:, :q.shape[1]] + scheme.zero_offset) & ((1 << scheme.bits) - 1)
-        else:
-            z = _awq_columns(unpack_int32(p["qzeros"], 4, 1))
-        return _int_blocks(q.t(), p["scales"].t(), z.t(), scheme.bits if m == "gptq" else 4, scheme.group_size)
-    if m == "wna16":
-        shape = p["weight_shape"]
-        n, k = (int(x) for x in shape) if shape is not None else (p["weight_packed"].shape[0],
-                                                                 p["weight_packed"].shape[1] * 32 // scheme.bits)
-        if not _trivial(p["weight_g_idx"], k, scheme.group_size):
-            return None
-        q = unpack_int32(p["weight_packed"], scheme.bits, 1)[:, :k]
-        s = p["weight_scale"]
-        z = (torch.full(s.shape, 1 << (scheme.bits - 1), dtype=torch.int32) if p["weight_zero_point"] is None
-             else unpack_int32(p["weight_zero_point"], scheme.bits, 0)[:n])
-        return _int_blocks(q, s, z, scheme.bits, scheme.group_size)
-    if m in ("nvfp4", "nvfp4_ct"):
-        packed = p["weight"] if m == "nvfp4" else p["weight_packed"]
-        return _fp4_blocks(packed, nvfp4_scales(p["weight_scale"], p["weight_scale_2"] if m == "nvfp4" else _ct_global(p)), 16)
-    if m == "mxfp4_ct":
-        return _fp4_blocks(p["weight_packed"], torch.exp2(p["weight_scale"].to(torch.uint8).float() - 127.0), 32)
-    return None
+    """The linear as the CPU block kernels' blocks, or None where its layout does not map onto them."""
+    return convert(scheme, p, True)[1]
 
 
 def iter_dequantized(folder: str, scheme: QuantScheme, dtype: torch.dtype, blocks: list | None = None):
@@ -297,8 +287,7 @@ def iter_dequantized(folder: str, scheme: QuantScheme, dtype: torch.dtype, block
                 missing = [c for c in names[:required] if parts[c] is None]
                 if missing:
                     raise ValueError(f"{', '.join(missing)} missing")
-                w = _dequant(scheme, parts)
-                q = blocks_of(scheme, parts) if blocks is not None else None
+                w, q = convert(scheme, parts, blocks is not None)
             except (KeyError, ValueError, RuntimeError, IndexError, TypeError) as e:
                 raise ModelLoadError(f"{scheme.method} weight {prefix}: {type(e).__name__}: {e}") from None
             stored += sum(t.numel() * t.element_size() for t in parts.values() if t is not None)

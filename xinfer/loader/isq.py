@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize as gguf_quantize
 
 from ops.quant import QuantWeight
 from xinfer import envs
@@ -75,8 +77,6 @@ def _q4_1(b: np.ndarray) -> np.ndarray:
 
 
 def _q5_0(b: np.ndarray) -> np.ndarray:
-    from gguf import GGMLQuantizationType
-    from gguf.quants import quantize as gguf_quantize
     return gguf_quantize(b, GGMLQuantizationType.Q5_0).reshape(len(b), -1)
 
 
