@@ -91,10 +91,13 @@ class QuantWeight:
         b = blocks.reshape(n, k // size, nbytes)
         if type_name in _Q8_TYPES:
             gs, unit = _Q8_TYPES[type_name]
-            plain = b.copy()
-            for at, v in unit.items():
-                plain[..., at:at + len(v)] = v
-            q = dequantize(plain.reshape(n, -1), GGMLQuantizationType[type_name]).reshape(n, k).astype(np.int8)
+            if type_name == "Q8_0":  # its integers are its bytes: no need to decode a copy (the head is big)
+                q = b[..., 2:].copy().view(np.int8).reshape(n, k)
+            else:
+                plain = b.copy()
+                for at, v in unit.items():
+                    plain[..., at:at + len(v)] = v
+                q = dequantize(plain.reshape(n, -1), GGMLQuantizationType[type_name]).reshape(n, k).astype(np.int8)
             d, m = _scales(type_name, b)
             t = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a).reshape(n, k // 32 * gs))  # noqa: E731
             return cls("q8", torch.from_numpy(q), t(d), t(m), shape, gs)
