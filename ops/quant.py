@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from ops.cpu_kernels import lib
-from xinfer.loader.gguf import BLOCK_TYPES
+from xinfer.loader.gguf_file import BLOCK_TYPES
 from xinfer import envs
 
 def max_rows(bf16: bool) -> int:
@@ -76,6 +76,8 @@ def _scales(type_name: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray | Non
 class QuantWeight:
     """One linear's weight [N, K] as 32-weight blocks. q4: nibbles, d and m per block; q8: signed
     bytes, `gs` (1 or 2) scales d a block and optional offsets m (ops/cpu_kernels.c)."""
+
+    DIRECT = {"Q4_0", "Q4_1", "Q4_K", "Q8_0"}  # decoded here, without gguf's dequantizer
 
     def __init__(self, kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, shape, gs: int = 1):
         self.kind, self.qs, self.d, self.m, self.shape, self.gs = kind, qs, d, m, tuple(shape), gs

@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import free_port, start_server
 
-CHILDREN = {"xinfer::worker-0", "xinfer::detokenizer", "xinfer::parser"}
+CHILDREN = {"xinfer::worker-fork", "xinfer::detokenizer", "xinfer::parser"}
 
 
 def _title(p: psutil.Process) -> str:
@@ -72,7 +72,7 @@ def launched(request):
 
 
 def test_named_tree_ordered_start_and_kill_9_of_the_supervisor(launched, tiny_llama_path):
-    """xinfer::launch -> xinfer::api, xinfer::scheduler -> worker-0, detokenizer, parser; /health
+    """xinfer::launch -> xinfer::api, xinfer::scheduler -> worker-fork (-> worker-0), detokenizer, parser; /health
     is 503 before 200; after kill -9 of the supervisor every child is gone within 5 s."""
     proc, base, saw_503 = launched("--m", tiny_llama_path)
     assert saw_503  # the API listens first and answers 503 while the model loads
@@ -83,6 +83,7 @@ def test_named_tree_ordered_start_and_kill_9_of_the_supervisor(launched, tiny_ll
         ["xinfer::api", "xinfer::scheduler"]
     sched = _named(proc.pid, "xinfer::scheduler")
     assert {_title(c) for c in sched.children() if _title(c).startswith("xinfer::")} == CHILDREN
+    assert [_title(c) for c in _named(proc.pid, "xinfer::worker-fork").children()] == ["xinfer::worker-0"]
     assert not _named(proc.pid, "xinfer::api").children()
     rundir = _runtime_dir(sup)
     assert os.stat(rundir).st_mode & 0o777 == 0o700

@@ -3,7 +3,8 @@
     xinfer::launch                 this process: starts, watches and stops the others
     ├── xinfer::api                Sanic on uvloop, the only network listener
     └── xinfer::scheduler          the engine core: owns every request's tokens
-        ├── xinfer::worker-0       the model (restarted by the scheduler, by recompute)
+        ├── xinfer::worker-fork    imports torch once; each worker is forked from it
+        │   └── xinfer::worker-0   the model (restarted by the scheduler, by recompute)
         ├── xinfer::detokenizer    (restarted by the scheduler, resynchronised)
         └── xinfer::parser         (restarted with the detokenizer)
 

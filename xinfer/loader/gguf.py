@@ -20,19 +20,13 @@ from xinfer.errors import ModelLoadError
 from xinfer.loader import gguf_hybrid
 from xinfer.loader.gguf_arch import (ARCH_BLOCK_TENSORS, ARCHITECTURES, BLOCK_TENSORS, EXPERT_TENSORS, GLOBAL_TENSORS,
                                      WHOLE_TENSORS, arch_config)
-from xinfer.loader.gguf_file import GGUFFile
+from xinfer.loader.gguf_file import BLOCK_TYPES, GGUFFile
 from xinfer.loader.gguf_tokenizer import add_special_tokens, byte_level_tokenizer, sentencepiece_tokenizer
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("xinfer.loader.gguf")
-
-# GGUF block types the CPU kernels read (ops/quant.py) -> (weights, bytes) per block. Q4_K's
-# super-blocks are read as eight 32-weight Q4_1-style blocks, each with its own d and m; the 5-, 6-
-# and 2-bit types as signed bytes with their scales (and mins).
-BLOCK_TYPES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q5_0": (32, 22), "Q5_1": (32, 24),
-               "Q2_K": (256, 84), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 
 # nextn: an MTP depth's own; no suffix: a whole tensor (the hybrids' ssm_a)
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.((?:nextn\.)?\w+)(?:\.(weight|bias))?")
@@ -246,6 +240,11 @@ class GGUFModel:
             yield name, torch.from_numpy(w)
 
     def _dequantize(self, t, data: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        from ops.quant import QuantWeight
+        if t.tensor_type.name in QuantWeight.DIRECT and len(shape) == 2:
+            # Bit-equal to gguf's dequantizer (tests/test_cpu_kernels.py), four times faster: it
+            # is most of a worker's (re)start on a small quantized model.
+            return QuantWeight.from_gguf(t.tensor_type.name, data.reshape(shape[0], -1), shape).dequantize().numpy()
         try:
             w = dequantize(data, t.tensor_type)
         except NotImplementedError:

@@ -71,6 +71,16 @@ def _worker_main(config, num_blocks, plan_ring, result_ring, plan_side, result_s
             results.write(enc.encode(result))
 
 
+def _worker_context():
+    """Workers are forked from a fork server (xinfer::worker-fork, a child of the scheduler) that
+    has already imported torch and the model code, and has started no thread and touched no
+    device: a restart after a crash then costs the model load, not two more seconds of imports.
+    The server exits when the scheduler does; its workers follow it (they watch their parent)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["xinfer.workers.zygote"])
+    return ctx
+
+
 class ProcessRunner:
     """The Runner (xinfer/workers/runner.py) whose ModelRunner lives in a worker process."""
 
@@ -98,7 +108,7 @@ class ProcessRunner:
         self.plans = RingWriter(self._shms[0].name, plan_sides)
         self.results = RingReader(self._shms[1].name, 0, result_side)
         store = t.tp_store(g) if n > 1 else ""  # the ranks' rendezvous
-        self.procs = [mp.get_context("spawn").Process(
+        self.procs = [_worker_context().Process(
             target=run_worker, name=f"xinfer::worker-{r}", daemon=True,
             args=(self.config, self.num_blocks, self._shms[0].name, self._shms[1].name, plan_sides[r], result_side,
                   r, self.log_level, store)) for r in range(n)]
