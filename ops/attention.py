@@ -105,13 +105,14 @@ class TorchBackend(AttentionBackend):
     def __init__(self):
         from ops import cpu_kernels
         self._c = cpu_kernels.lib()
+        self._attends = cpu_kernels.attends
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
         kv_quant.store(k, k_cache, slot_mapping)
         if v_cache is not k_cache:  # MLA's one cache: k is v
             kv_quant.store(v, v_cache, slot_mapping)
 
-    def _plan(self, meta: AttnMetadata, device, dtype, kv_dtype):
+    def _plan(self, meta: AttnMetadata, device, dtype, c_kind, head_dim):
         plan = meta.cache.get("torch")
         if plan is not None:
             return plan
@@ -127,7 +128,7 @@ class TorchBackend(AttentionBackend):
             lens_l = [meta.kv_lens[i] - meta.query_lens[i] + j + 1 for i in short for j in range(meta.query_lens[i])]
             lens_t = torch.tensor(lens_l, dtype=torch.int32, device=device)
         if dec and self._c is not None and device.type == "cpu" and dtype == torch.float32 \
-                and kv_dtype in kv_quant.C_KINDS:
+                and c_kind is not None and self._attends(head_dim):
             plan["decode_c"] = (rows, not pre, meta.block_tables[dec_t].contiguous(), lens_t)
         elif dec:
             lens = lens_t.long()
@@ -151,19 +152,21 @@ class TorchBackend(AttentionBackend):
 
     def _forward(self, q, k_cache, v_cache, meta, scale, sliding_window, softcap):
         out = torch.empty_like(q)
-        plan = self._plan(meta, q.device, q.dtype, k_cache.dtype)
-        nb, bs, hkv, d = k_cache.shape
+        nb, bs, hkv, d = *k_cache.shape[:3], q.shape[-1]  # a turbo cache's last dimension is its packed bytes
+        plan = self._plan(meta, q.device, q.dtype, kv_quant.c_kind(k_cache), d)
         starts = meta.query_starts
         if plan["decode_c"] is not None:
             rows, every_row, tables, lens = plan["decode_c"]
             qd = (q if every_row else q[rows]).contiguous()
             od = torch.empty_like(qd)
             ks, vs = kv_quant.scales(k_cache), kv_quant.scales(v_cache)
+            bits, _, levels = getattr(k_cache, "kv_turbo", (0, None, None))
             self._c.xinfer_paged_decode(qd.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                         None if ks is None else ks.data_ptr(), None if vs is None else vs.data_ptr(),
-                                        kv_quant.C_KINDS[k_cache.dtype], tables.data_ptr(), tables.shape[1],
+                                        kv_quant.c_kind(k_cache), tables.data_ptr(), tables.shape[1],
                                         lens.data_ptr(), od.data_ptr(), qd.shape[0], qd.shape[1], hkv, d, bs, scale,
-                                        sliding_window or 0, softcap or 0.0)
+                                        sliding_window or 0, softcap or 0.0, bits,
+                                        None if levels is None else levels.data_ptr())
             if every_row:
                 return od
             out[rows] = od

@@ -31,7 +31,8 @@ class _Linear(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("ln_in", _P), ("ln_post", _P), ("q_norm", _P), ("k_norm", _P), ("attn_out_norm", _P),
                 ("mlp_out_norm", _P), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
-                ("k_cache", _P), ("v_cache", _P), ("k_scale", _P), ("v_scale", _P), ("cos", _P), ("sin", _P),
+                ("k_cache", _P), ("v_cache", _P), ("k_scale", _P), ("v_scale", _P), ("levels", _P), ("mids", _P),
+                ("rotation", _P), ("k_shift", _P), ("kv_bits", _I), ("cos", _P), ("sin", _P),
                 ("rot", _I), ("window", _I), ("kv_kind", _I), ("act", _I), ("scale", _F), ("softcap", _F)]
 
 
@@ -53,7 +54,7 @@ def _linear(w: QuantWeight, bias: torch.Tensor | None) -> _Linear:
 class CpuDecoder:
     """`layers`: one dict a layer with ln_in, ln_post, q_norm, k_norm (or None) weights, optionally
     attn_out_norm and mlp_out_norm (Gemma 3) and act (a key of ACTS; silu); qkv, o, gate_up, down as
-    (QuantWeight, bias or None); k_cache, v_cache (in any format of kv_quant.C_KINDS); cos, sin,
+    (QuantWeight, bias or None); k_cache, v_cache (in any format kv_quant.c_kind names); cos, sin,
     rot; window (0: none), scale, softcap (0: none). Every other tensor is float32, contiguous and on the
     CPU, and is kept alive here."""
 
@@ -62,12 +63,15 @@ class CpuDecoder:
         self._keep = [final_norm] + layers  # C holds raw pointers into these
         arr = (_Layer * len(layers))()
         for i, ly in enumerate(layers):
+            turbo = kv_quant.turbo_args(ly["k_cache"])
+            self._keep.append(turbo)
             arr[i] = _Layer(_ptr(ly["ln_in"]), _ptr(ly["ln_post"]), _ptr(ly["q_norm"]), _ptr(ly["k_norm"]),
                             _ptr(ly.get("attn_out_norm")), _ptr(ly.get("mlp_out_norm")),
                             _linear(*ly["qkv"]), _linear(*ly["o"]), _linear(*ly["gate_up"]), _linear(*ly["down"]),
                             _ptr(ly["k_cache"]), _ptr(ly["v_cache"]), _ptr(kv_quant.scales(ly["k_cache"])),
-                            _ptr(kv_quant.scales(ly["v_cache"])), _ptr(ly["cos"]), _ptr(ly["sin"]), ly["rot"],
-                            ly["window"], kv_quant.C_KINDS[ly["k_cache"].dtype], ACTS[ly.get("act", "silu")],
+                            _ptr(kv_quant.scales(ly["v_cache"])), *map(_ptr, turbo[1:]), turbo[0], _ptr(ly["cos"]),
+                            _ptr(ly["sin"]), ly["rot"], ly["window"], kv_quant.c_kind(ly["k_cache"]),
+                            ACTS[ly.get("act", "silu")],
                             ly["scale"], ly["softcap"])
         self._layers = arr  # _Model points at it
         self.caches = [(ly["k_cache"], ly["v_cache"]) for ly in layers]

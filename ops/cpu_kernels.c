@@ -272,12 +272,211 @@ void xinfer_q8_mm(const int8_t *qs, const float *d, const float *mn, int gs, con
 
 // A KV cache as attention reads it: [blocks, bs, Hkv, D] values of one kind (ops/kv_quant.py) and,
 // for fp8, a float32 scale per token and head ([blocks, bs, Hkv]).
-enum { KV_F32, KV_E4M3, KV_E5M2, KV_BF16, KV_F16 };
+// The few vector operations decode attention needs, at the build's width (VW floats).
+#if defined(__AVX512F__)
+#define VW 16
+typedef __m512 vf;
+#define v_load _mm512_loadu_ps
+#define v_store _mm512_storeu_ps
+#define v_set1 _mm512_set1_ps
+#define v_fma _mm512_fmadd_ps
+#define v_mul _mm512_mul_ps
+#define v_sub _mm512_sub_ps
+#define v_add _mm512_add_ps
+#define v_max _mm512_max_ps
+#define v_min _mm512_min_ps
+#define v_zero _mm512_setzero_ps
+static inline float v_hmax(vf v) { return _mm512_reduce_max_ps(v); }
+// lanes c and up replaced by `fill`
+static inline vf v_first(vf v, int c, float fill) {
+    return _mm512_mask_blend_ps((__mmask16)((1u << c) - 1), _mm512_set1_ps(fill), v);
+}
+static inline vf v_round(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf v_pow2(vf p, vf n) { return _mm512_scalef_ps(p, n); }
+// Lane j: the sum of a[j]'s lanes (a transpose-and-add tree: 45 operations for 16 sums).
+static inline vf v_sums(const vf *a) {
+    vf w[8], x[4];
+    for (int j = 0; j < 8; j++)
+        w[j] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * j], a[2 * j + 1]), _mm512_unpackhi_ps(a[2 * j], a[2 * j + 1]));
+    for (int j = 0; j < 4; j++)
+        x[j] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * j], w[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(w[2 * j], w[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const vf y0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const vf y1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(y0, y1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#else
+#define VW 8
+typedef __m256 vf;
+#define v_load _mm256_loadu_ps
+#define v_store _mm256_storeu_ps
+#define v_set1 _mm256_set1_ps
+#define v_fma _mm256_fmadd_ps
+#define v_mul _mm256_mul_ps
+#define v_sub _mm256_sub_ps
+#define v_add _mm256_add_ps
+#define v_max _mm256_max_ps
+#define v_min _mm256_min_ps
+#define v_zero _mm256_setzero_ps
+static inline float v_hmax(vf v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+static inline vf v_first(vf v, int c, float fill) {
+    const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_blendv_ps(_mm256_set1_ps(fill), v, _mm256_castsi256_ps(keep));
+}
+static inline vf v_round(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf v_pow2(vf p, vf n) {  // n integral in [-127, 0]: added to p's exponent
+    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23)));
+}
+static inline vf v_sums(const vf *a) {  // lane j: the sum of a[j]'s lanes
+    const vf ab = _mm256_hadd_ps(a[0], a[1]), cd = _mm256_hadd_ps(a[2], a[3]);
+    const vf ef = _mm256_hadd_ps(a[4], a[5]), gh = _mm256_hadd_ps(a[6], a[7]);
+    const vf x = _mm256_hadd_ps(ab, cd), y = _mm256_hadd_ps(ef, gh);
+    return _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+}
+#endif
+
+// exp(x) for x <= 0 (Cephes' expf polynomial, about 1 ulp); below -87.3 it is not 0 but about 1e-38,
+// which the callers mask where it matters.
+static inline vf v_exp(vf x) {
+    x = v_max(v_min(x, v_zero()), v_set1(-87.3f));
+    const vf n = v_round(v_mul(x, v_set1(1.44269504088896341f)));
+    vf r = v_fma(n, v_set1(-0.693359375f), x);  // x - n ln 2, ln 2 in two parts
+    r = v_fma(n, v_set1(2.12194440e-4f), r);
+    vf p = v_set1(1.9875691500e-4f);
+    p = v_fma(p, r, v_set1(1.3981999507e-3f));
+    p = v_fma(p, r, v_set1(8.3334519073e-3f));
+    p = v_fma(p, r, v_set1(4.1665795894e-2f));
+    p = v_fma(p, r, v_set1(1.6666665459e-1f));
+    p = v_fma(p, r, v_set1(5.0000001201e-1f));
+    p = v_add(v_fma(p, v_mul(r, r), r), v_set1(1.f));
+    return v_pow2(p, n);
+}
+
+enum { KV_F32, KV_E4M3, KV_E5M2, KV_BF16, KV_F16, KV_TURBO };
 typedef struct {
     void *data;
-    float *scale;  // fp8 only
+    float *scale;          // fp8: float32 per row; turbo: the float16 lengths
     int kind;
+    int bits;              // turbo: bits a value (3, 4 or 8), packed 8 values to `bits` bytes
+    const float *levels;   // turbo: the codebook, 2^bits floats
+    const float *mids;     // turbo writes: the 2^bits - 1 midpoints between levels
+    const float *rot;      // turbo writes: the rotation R [D, D]
+    const float *shift;    // turbo key writes: the calibrated mean key [Hkv, D], or NULL
 } xq_kv;
+
+// y = R x (transpose 0) or R^T x (1) for one head vector: a turbo cache's frame and back.
+static void rotate(const float *R, const float *x, float *y, int D, int transpose) {
+    if (!transpose) {
+        for (int j = 0; j < D; j++) {
+            float acc = 0.f;
+            for (int i = 0; i < D; i++) acc += R[(size_t)j * D + i] * x[i];
+            y[j] = acc;
+        }
+        return;
+    }
+    for (int i = 0; i < D; i++) y[i] = 0.f;
+    for (int j = 0; j < D; j++)
+        for (int i = 0; i < D; i++) y[i] += R[(size_t)j * D + i] * x[j];
+}
+
+// H head vectors x [H, D] rotated in place.
+static void rotate_heads(const float *R, float *x, int H, int D, int transpose) {
+    float y[D];
+    for (int h = 0; h < H; h++) {
+        rotate(R, x + (size_t)h * D, y, D, transpose);
+        memcpy(x + (size_t)h * D, y, sizeof(float) * D);
+    }
+}
+
+// One head vector into turbo row r, as ops/turbo_quant.py quantize() writes it: y = R (x - shift),
+// each coordinate of y / |y| coded by the nearest level (the count of midpoints below it, as
+// torch.bucketize), and the length n = |y| (u . c) / (c . c) in float16. The sums run in another
+// order than torch's matmul, so a coordinate within rounding of a midpoint may take the other level.
+static void turbo_write(const xq_kv *c, size_t r, const float *x, const float *shift, int D) {
+    float xs[D], y[D];
+    for (int i = 0; i < D; i++) xs[i] = shift ? x[i] - shift[i] : x[i];
+    rotate(c->rot, xs, y, D, 0);
+    float ss = 0.f;
+    for (int j = 0; j < D; j++) ss += y[j] * y[j];
+    const float len = sqrtf(ss), div = len > 1e-30f ? len : 1e-30f;
+    const int nl = 1 << c->bits;
+    uint8_t *p = (uint8_t *)c->data + r * (size_t)(D * c->bits / 8);
+    float uc = 0.f, cc = 0.f;
+    uint32_t word = 0;
+    for (int j = 0; j < D; j++) {
+        const float u = y[j] / div;
+        int idx = 0;  // how many midpoints lie below u: a binary search (256 levels at 8 bits)
+        for (int step = nl / 2; step > 0; step /= 2)
+            if (c->mids[idx + step - 1] < u) idx += step;
+        uc += u * c->levels[idx], cc += c->levels[idx] * c->levels[idx];
+        if (c->bits == 8) {
+            p[j] = (uint8_t)idx;
+            continue;
+        }
+        word |= (uint32_t)idx << (c->bits * (j % 8));
+        if (j % 8 == 7) {
+            memcpy(p, &word, (size_t)c->bits);
+            p += c->bits, word = 0;
+        }
+    }
+    const float n = len * uc / (cc > 1e-30f ? cc : 1e-30f);
+    ((uint16_t *)c->scale)[r] = _cvtss_sh(fminf(fmaxf(n, -65504.f), 65504.f), 0);
+}
+
+// turbo8's 256 levels for D bytes. AVX-512: eight 32-entry table lookups (permutex2var) of 16 bytes at
+// a time, then the byte's top three bits pick one; AVX2: one at a time, as scalar loads beat its
+// vector gathers (measured on Zen 4).
+#if defined(__AVX512F__)
+static void lookup_bytes(const uint8_t *p, const float *levels, float *out, int D) {
+    for (int i = 0; i < D; i += 16) {
+        const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + i)));
+        __m512 r[8];
+        for (int j = 0; j < 8; j++)
+            r[j] = _mm512_permutex2var_ps(_mm512_loadu_ps(levels + 32 * j), idx, _mm512_loadu_ps(levels + 32 * j + 16));
+        for (int bit = 5, n = 8; bit < 8; bit++, n /= 2) {
+            const __mmask16 hi = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(1 << bit));
+            for (int j = 0; j < n / 2; j++) r[j] = _mm512_mask_blend_ps(hi, r[2 * j], r[2 * j + 1]);
+        }
+        _mm512_storeu_ps(out + i, r[0]);
+    }
+}
+#else
+__attribute__((optimize("no-tree-vectorize"))) static void lookup_bytes(const uint8_t *p, const float *levels,
+                                                                        float *out, int D) {
+    for (int i = 0; i < D; i++) out[i] = levels[p[i]];
+}
+#endif
+
+// A turbo row (ops/turbo_quant.py) as its codebook levels, without the length: eight values are a
+// little-endian word of 8 * bits bits, value j in bits j * bits and up (read out by one shift a lane).
+static inline void turbo_row(const uint8_t *p, int bits, const float *levels, float *out, int D) {
+    if (bits == 8) {
+        lookup_bytes(p, levels, out, D);
+        return;
+    }
+    const __m256i shift = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(bits));
+    const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
+    const __m256 lo = _mm256_loadu_ps(levels), hi = bits == 4 ? _mm256_loadu_ps(levels + 8) : lo;
+    for (int i = 0; i < D; i += 8, p += bits) {
+        uint32_t w;
+        if (bits == 4)
+            memcpy(&w, p, 4);
+        else  // three bytes (a four-byte read could pass the end of the cache)
+            w = (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16;
+        const __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), shift), mask);
+        __m256 v = _mm256_permutevar8x32_ps(lo, idx);
+        if (bits == 4)  // levels 8-15 where bit 3 is set (moved to the sign bit blendv reads)
+            v = _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(hi, idx), _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+        _mm256_storeu_ps(out + i, v);
+    }
+}
 
 // e5m2 is the top byte of a float16; e4m3's bits, moved into float16's, read 2^8 too small (for
 // normals and subnormals alike), which the row's scale makes up (kv_scale). F16C converts 8 at a time.
@@ -289,6 +488,10 @@ static inline uint16_t fp8_half(uint8_t b, int e4m3) {
 static inline const float *kv_row(const xq_kv *c, size_t r, int D, float *buf) {
     int i = 0;
     if (c->kind == KV_F32) return (const float *)c->data + r * D;
+    if (c->kind == KV_TURBO) {
+        turbo_row((const uint8_t *)c->data + r * (size_t)(D * c->bits / 8), c->bits, c->levels, buf, D);
+        return buf;
+    }
     if (c->kind == KV_E4M3 || c->kind == KV_E5M2) {
         const uint8_t *p = (const uint8_t *)c->data + r * D;
         const int e4m3 = c->kind == KV_E4M3;
@@ -320,6 +523,7 @@ static inline const float *kv_row(const xq_kv *c, size_t r, int D, float *buf) {
 }
 
 static inline float kv_scale(const xq_kv *c, size_t r) {
+    if (c->kind == KV_TURBO) return _cvtsh_ss(((const uint16_t *)c->scale)[r]);
     return c->kind == KV_E4M3 ? c->scale[r] * 256.f : c->kind == KV_E5M2 ? c->scale[r] : 1.f;
 }
 
@@ -337,6 +541,11 @@ static inline float fp8_round(float x, int e4m3) {
 static void kv_write(const xq_kv *c, size_t r0, const float *x, int Hkv, int D) {
     if (c->kind == KV_F32) {
         memcpy((float *)c->data + r0 * D, x, sizeof(float) * (size_t)Hkv * D);
+        return;
+    }
+    if (c->kind == KV_TURBO) {
+        for (int h = 0; h < Hkv; h++)
+            turbo_write(c, r0 + h, x + (size_t)h * D, c->shift ? c->shift + (size_t)h * D : NULL, D);
         return;
     }
     for (int h = 0; h < Hkv; h++) {
@@ -371,68 +580,94 @@ static void kv_write(const xq_kv *c, size_t r0, const float *x, int Hkv, int D) 
 }
 
 // T tokens' K or V x [T, Hkv, D] into the cache at slots [T] (the write the decode step does; tests).
+// turbo: its bits, levels, midpoints, rotation and key shift (or NULL); else 0 and NULLs.
 void xinfer_kv_store(void *data, float *scale, int kind, const int64_t *slots, const float *x, int T, int Hkv,
-                     int D) {
-    const xq_kv c = {data, scale, kind};
+                     int D, int bits, const float *levels, const float *mids, const float *rot, const float *shift) {
+    const xq_kv c = {data, scale, kind, bits, levels, mids, rot, shift};
     for (int t = 0; t < T; t++) kv_write(&c, (size_t)slots[t] * Hkv, x + (size_t)t * Hkv * D, Hkv, D);
+}
+
+// Rows of tokens t0 .. t0 + cnt - 1 of KV head h, VW of them (past cnt: the first again, weighted 0
+// by the caller): pointers to D floats (the cache's own rows when it is float32, else converted into
+// buf, VW * D floats) and each row's scale.
+static inline void chunk_rows(const xq_kv *c, const int32_t *tab, int t0, int cnt, int bs, int Hkv, int h, int D,
+                              float *buf, const float **rows, float *scale) {
+    for (int j = 0; j < VW; j++) {
+        if (j >= cnt) {
+            rows[j] = rows[0], scale[j] = 0.f;
+            continue;
+        }
+        const int t = t0 + j;
+        const size_t r = ((size_t)tab[t / bs] * bs + t % bs) * Hkv + h;
+        rows[j] = kv_row(c, r, D, buf + (size_t)j * D);
+        scale[j] = kv_scale(c, r);
+    }
 }
 
 // Decode attention straight from the paged KV cache (no gather): one query row per sequence.
 // Query heads g0..g1-1 of KV head h (of G = Hq / Hkv in its group) for one sequence: they share
-// each K/V read. q: the sequence's query row (heads packed, D apart); tab: its block table; L: its KV
-// length, the new token included; s: scratch of (g1 - g0) * L floats. window > 0: only the last
-// `window` positions; softcap > 0: scores = softcap * tanh(scores / softcap).
+// each K/V read. q: the sequence's query row (heads packed, D apart, D a multiple of VW); tab: its
+// block table; L: its KV length, the new token included. window > 0: only the last `window`
+// positions; softcap > 0: scores = softcap * tanh(scores / softcap).
+// One pass over K and V, VW tokens at a time with a running max and sum (online softmax): each
+// chunk's VW scores come out of one vector (v_sums), their exponentials out of one v_exp.
 static void attend_group(const float *q, const xq_kv *kc, const xq_kv *vc, const int32_t *tab, int L, int h,
                          int g0, int g1, int G, int Hkv, int D, int bs, float scale, int window, float softcap,
-                         float *s, float *out) {
-    const int start = (window > 0 && L > window) ? L - window : 0;
-    const int n = L - start, ng = g1 - g0;
+                         float *out) {
+    const int start = (window > 0 && L > window) ? L - window : 0, ng = g1 - g0;
     const float *qh = q + (size_t)(h * G + g0) * D;
     float *o = out + (size_t)(h * G + g0) * D;
-    float mx[ng], buf[D];
-    for (int g = 0; g < ng; g++) mx[g] = -INFINITY;
-    for (int t = start; t < L; t++) {
-        const size_t r = ((size_t)tab[t / bs] * bs + t % bs) * Hkv + h;
-        const float *k = kv_row(kc, r, D, buf), ks = scale * kv_scale(kc, r);
+    float mx[ng], sum[ng], kbuf[VW * D], vbuf[VW * D], ks[VW], vs[VW], p[VW];
+    const float *kr[VW], *vr[VW];
+    for (int g = 0; g < ng; g++) mx[g] = -INFINITY, sum[g] = 0.f;
+    memset(o, 0, sizeof(float) * (size_t)ng * D);
+    for (int t0 = start; t0 < L; t0 += VW) {
+        const int cnt = L - t0 < VW ? L - t0 : VW;
+        chunk_rows(kc, tab, t0, cnt, bs, Hkv, h, D, kbuf, kr, ks);
+        chunk_rows(vc, tab, t0, cnt, bs, Hkv, h, D, vbuf, vr, vs);
+        const vf kscale = v_mul(v_load(ks), v_set1(scale)), vscale = v_load(vs);
         for (int g = 0; g < ng; g++) {
             const float *qg = qh + (size_t)g * D;
-            float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-            for (int i = 0; i < D; i++) acc += qg[i] * k[i];
-            acc *= ks;
-            if (softcap > 0.f) acc = softcap * tanhf(acc / softcap);
-            s[(size_t)g * n + (t - start)] = acc;
-            if (acc > mx[g]) mx[g] = acc;
+            vf acc[VW];
+            for (int j = 0; j < VW; j++) acc[j] = v_zero();
+            for (int i = 0; i < D; i += VW) {
+                const vf qv = v_load(qg + i);
+                for (int j = 0; j < VW; j++) acc[j] = v_fma(qv, v_load(kr[j] + i), acc[j]);
+            }
+            vf s = v_mul(v_sums(acc), kscale);
+            if (softcap > 0.f) {
+                v_store(p, s);
+                for (int j = 0; j < cnt; j++) p[j] = softcap * tanhf(p[j] / softcap);
+                s = v_load(p);
+            }
+            s = v_first(s, cnt, -INFINITY);
+            const float m = fmaxf(mx[g], v_hmax(s)), alpha = expf(mx[g] - m);  // 0 at the first chunk
+            const vf e = v_first(v_exp(v_sub(s, v_set1(m))), cnt, 0.f);
+            v_store(p, e);
+            float esum = 0.f;
+            for (int j = 0; j < VW; j++) esum += p[j];
+            sum[g] = sum[g] * alpha + esum, mx[g] = m;
+            v_store(p, v_mul(e, vscale));
+            float *og = o + (size_t)g * D;
+            for (int i = 0; i < D; i += VW) {
+                vf a = v_mul(v_load(og + i), v_set1(alpha));
+                for (int j = 0; j < VW; j++) a = v_fma(v_set1(p[j]), v_load(vr[j] + i), a);
+                v_store(og + i, a);
+            }
         }
     }
     for (int g = 0; g < ng; g++) {
-        float *sg = s + (size_t)g * n, sum = 0.f;
-        for (int j = 0; j < n; j++) {
-            sg[j] = expf(sg[j] - mx[g]);
-            sum += sg[j];
-        }
-        float inv = sum > 0.f ? 1.f / sum : 0.f;
-        for (int j = 0; j < n; j++) sg[j] *= inv;
-        for (int i = 0; i < D; i++) o[(size_t)g * D + i] = 0.f;
-    }
-    for (int t = start; t < L; t++) {
-        const size_t r = ((size_t)tab[t / bs] * bs + t % bs) * Hkv + h;
-        const float *v = kv_row(vc, r, D, buf), vs = kv_scale(vc, r);
-        for (int g = 0; g < ng; g++) {
-            const float p = s[(size_t)g * n + (t - start)] * vs;
-            float *og = o + (size_t)g * D;
-#pragma omp simd
-            for (int i = 0; i < D; i++) og[i] += p * v[i];
-        }
+        const vf inv = v_set1(sum[g] > 0.f ? 1.f / sum[g] : 0.f);
+        for (int i = 0; i < D; i += VW) v_store(o + (size_t)g * D + i, v_mul(v_load(o + (size_t)g * D + i), inv));
     }
 }
 
 // Every sequence's attention, shared out over the threads of the enclosing parallel region: by
 // (sequence, KV head) when there are enough of those to go round, else by query head. q rows
-// q_stride apart, out [B, Hq, D]; s: this thread's scratch of G * max(lens) floats.
+// q_stride apart, out [B, Hq, D].
 static void attend_team(const float *q, int64_t q_stride, const xq_kv *kc, const xq_kv *vc, const int32_t *tables,
                         int table_stride, const int32_t *lens, float *out, int B, int Hq, int Hkv, int D, int bs,
-                        float scale, int window, float softcap, float *s) {
+                        float scale, int window, float softcap) {
     const int G = Hq / Hkv, per = B * Hkv >= 2 * omp_get_num_threads() ? G : 1;
     const int items = B * Hkv * (G / per);
 #pragma omp for schedule(dynamic, 1)
@@ -440,30 +675,24 @@ static void attend_team(const float *q, int64_t q_stride, const xq_kv *kc, const
         const int b = it / (Hkv * (G / per)), rest = it % (Hkv * (G / per));
         const int h = rest / (G / per), g0 = rest % (G / per) * per;
         attend_group(q + (size_t)b * q_stride, kc, vc, tables + (size_t)b * table_stride, lens[b], h, g0, g0 + per, G,
-                     Hkv, D, bs, scale, window, softcap, s, out + (size_t)b * Hq * D);
+                     Hkv, D, bs, scale, window, softcap, out + (size_t)b * Hq * D);
     }
 }
 
-static int max_len(const int32_t *lens, int B) {
-    int m = 1;
-    for (int b = 0; b < B; b++) m = lens[b] > m ? lens[b] : m;
-    return m;
-}
+int xinfer_attn_width(void) { return VW; }  // head sizes the C attention takes: multiples of this
 
-// q [B, Hq, D] contiguous, caches [blocks, bs, Hkv, D] of `kind` (fp8: with their scales, else NULL),
+// q [B, Hq, D] contiguous, caches [blocks, bs, Hkv, D] of `kind` (fp8: with their scales, turbo: with
+// their lengths, else NULL; turbo: `bits` and `levels` too, and q and out in its rotated frame),
 // tables [B, table_stride] int32, lens [B] int32, out [B, Hq, D].
 void xinfer_paged_decode(const float *q, void *kc, void *vc, float *k_scale, float *v_scale,
                          int kind, const int32_t *tables, int table_stride, const int32_t *lens, float *out, int B,
-                         int Hq, int Hkv, int D, int bs, float scale, int window, float softcap) {
-    const size_t scratch = (size_t)(Hq / Hkv) * max_len(lens, B);
-    const xq_kv k = {kc, k_scale, kind}, v = {vc, v_scale, kind};
+                         int Hq, int Hkv, int D, int bs, float scale, int window, float softcap, int bits,
+                         const float *levels) {
+    const xq_kv k = {kc, k_scale, kind, bits, levels, NULL, NULL, NULL};
+    const xq_kv v = {vc, v_scale, kind, bits, levels, NULL, NULL, NULL};
 #pragma omp parallel
-    {
-        float *s = malloc(sizeof(float) * scratch);
-        attend_team(q, (int64_t)Hq * D, &k, &v, tables, table_stride, lens, out, B, Hq, Hkv, D, bs, scale, window,
-                    softcap, s);
-        free(s);
-    }
+    attend_team(q, (int64_t)Hq * D, &k, &v, tables, table_stride, lens, out, B, Hq, Hkv, D, bs, scale, window,
+                softcap);
 }
 
 // residual += x (when residual is given), then out = w * (r / sqrt(mean(r^2) + eps)) per row of H,
@@ -523,7 +752,9 @@ typedef struct {
     const float *attn_out_norm, *mlp_out_norm;  // Gemma 3's norms of each sublayer's output; else NULL
     xq_linear qkv, o, gate_up, down;
     void *k_cache, *v_cache;  // [blocks, bs, Hkv, D] of kv_kind (xq_kv)
-    float *k_scale, *v_scale;  // fp8: [blocks, bs, Hkv]; else NULL
+    float *k_scale, *v_scale;  // fp8: [blocks, bs, Hkv]; turbo: its float16 lengths; else NULL
+    const float *levels, *mids, *rotation, *k_shift;  // turbo (xq_kv); else NULL
+    int kv_bits;
     const float *cos, *sin;    // [positions, rot / 2]
     int rot, window, kv_kind;
     int act;  // 0: silu(gate) * up; 1: gelu_tanh(gate) * up
@@ -551,14 +782,14 @@ void xinfer_decode(const xq_model *m, const float *x, float *out, int B, const i
     float *y = malloc(sizeof(float) * (size_t)B * H), *qkv = malloc(sizeof(float) * (size_t)B * QKV);
     float *att = malloc(sizeof(float) * (size_t)B * Hq * D), *gu = malloc(sizeof(float) * (size_t)B * 2 * I);
     float *act = malloc(sizeof(float) * (size_t)B * I);
-    const size_t scratch = (size_t)(Hq / Hkv) * max_len(lens, B);
     memcpy(y, x, sizeof(float) * (size_t)B * H);
 #pragma omp parallel
     {
-        float *s = malloc(sizeof(float) * scratch);
         for (int l = 0; l < m->n_layers; l++) {
             const xq_layer *L = &m->layers[l];
-            const xq_kv kc = {L->k_cache, L->k_scale, L->kv_kind}, vc = {L->v_cache, L->v_scale, L->kv_kind};
+            const xq_kv kc = {L->k_cache, L->k_scale, L->kv_kind, L->kv_bits, L->levels, L->mids, L->rotation,
+                              L->k_shift};
+            const xq_kv vc = {L->v_cache, L->v_scale, L->kv_kind, L->kv_bits, L->levels, L->mids, L->rotation, NULL};
 #pragma omp single
             for (int b = 0; b < B; b++)  // the first layer's residual is its input
                 add_rmsnorm_row(y + (size_t)b * H, l ? res + (size_t)b * H : NULL, L->ln_in, h + (size_t)b * H, H,
@@ -577,9 +808,14 @@ void xinfer_decode(const xq_model *m, const float *x, float *out, int B, const i
                 rope_rows(kb, QKV, Hkv, D, L->rot, L->cos, L->sin, pos + b, 1);
                 kv_write(&kc, (size_t)slots[b] * Hkv, kb, Hkv, D);
                 kv_write(&vc, (size_t)slots[b] * Hkv, vb, Hkv, D);
+                if (L->kv_kind == KV_TURBO) rotate_heads(L->rotation, qb, Hq, D, 0);  // into the cache's frame
             }
             attend_team(qkv, QKV, &kc, &vc, tables, table_stride, lens, att, B, Hq, Hkv, D, m->bs, L->scale,
-                        L->window, L->softcap, s);
+                        L->window, L->softcap);
+            if (L->kv_kind == KV_TURBO) {
+#pragma omp for schedule(static)
+                for (int b = 0; b < B; b++) rotate_heads(L->rotation, att + (size_t)b * Hq * D, Hq, D, 1);  // and back
+            }
             mm_team(&L->o, att, y, B);
 #pragma omp single
             for (int b = 0; b < B; b++) {
@@ -606,7 +842,6 @@ void xinfer_decode(const xq_model *m, const float *x, float *out, int B, const i
         for (int b = 0; b < B; b++)
             add_rmsnorm_row(y + (size_t)b * H, res + (size_t)b * H, m->final_norm, out + (size_t)b * H, H, m->eps,
                             m->offset);
-        free(s);
     }
     free(res), free(h), free(y), free(qkv), free(att), free(gu), free(act);
 }

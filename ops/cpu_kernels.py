@@ -65,11 +65,12 @@ def lib():
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     so.xinfer_q4_mm.argtypes = [p, p, p, p, p, i, i, i, i]
     so.xinfer_q8_mm.argtypes = [p, p, p, i, p, p, i, i, i, i]
-    so.xinfer_paged_decode.argtypes = [p, p, p, p, p, i, p, i, p, p, i, i, i, i, i, f, i, f]
+    so.xinfer_paged_decode.argtypes = [p, p, p, p, p, i, p, i, p, p, i, i, i, i, i, f, i, f, i, p]
     so.xinfer_add_rmsnorm.argtypes = [p, p, p, p, i, i, f, f]
     so.xinfer_rope.argtypes = [p, p, p, p, p, i, i, i, i, i, ctypes.c_int64, ctypes.c_int64]
     so.xinfer_decode.argtypes = [p, p, p, i, p, p, p, i, p]
-    so.xinfer_kv_store.argtypes = [p, p, i, p, p, i, i, i]
+    so.xinfer_attn_width.argtypes = []
+    so.xinfer_kv_store.argtypes = [p, p, i, p, p, i, i, i, i, p, p, p, p]
     return so
 
 
@@ -102,6 +103,12 @@ def has_bf16() -> bool:
     """The block kernels were built with AVX512_BF16 dot products (--cpu-matmul bfloat16 uses them)."""
     so = lib()
     return bool(so is not None and so.xinfer_has_bf16())
+
+
+def attends(head_dim: int) -> bool:
+    """The C decode attention takes this head size (a multiple of its vector width)."""
+    so = lib()
+    return so is not None and head_dim % so.xinfer_attn_width() == 0
 
 
 def available() -> bool:

@@ -12,7 +12,8 @@ as `kv_scale`: the attention layers hand backends the cache tensor alone, and ML
 (v_cache is k_cache) then shares its scales too. Readers dequantize only the rows they read.
 
 turbo8 / turbo4 / turbo3 (ops/turbo_quant.py): rotated, Lloyd-Max coded vectors of b bits a value and a
-float16 length; their cache holds packed bytes (uint8, `kv_turbo` says how), read by the torch backend.
+float16 length; their cache holds packed bytes (uint8, `kv_turbo` says how), read and written by the
+torch backend and, on the CPU, by the C decode attention and the one-call C decode step.
 """
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": E4M3, "fp8_e4m3": E4M3, "fp8_e5m2": E5M2}
 FP8 = (E4M3, E5M2)
 SCALE_BYTES = 4
-# The C kernels' names for the formats (ops/cpu_kernels.c, xq_kv)
+# The C kernels' names for the formats (ops/cpu_kernels.c, xq_kv); turbo caches (uint8) are 5
 C_KINDS = {torch.float32: 0, E4M3: 1, E5M2: 2, torch.bfloat16: 3, torch.float16: 4}
+TURBO_KIND = 5
 
 
 def storage_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype | str:
@@ -61,6 +63,23 @@ def alloc(shape: tuple, dtype, device) -> torch.Tensor:
 
 def scales(cache: torch.Tensor) -> torch.Tensor | None:
     return getattr(cache, "kv_scale", None)
+
+
+def c_kind(cache: torch.Tensor) -> int | None:
+    """What the C decode attention calls the cache's format, or None where it cannot read it."""
+    return TURBO_KIND if hasattr(cache, "kv_turbo") else C_KINDS.get(cache.dtype)
+
+
+def turbo_args(k_cache: torch.Tensor) -> tuple:
+    """What the C kernels need to write and read a turbo cache: (bits, levels, midpoints, rotation,
+    key shift or None), float32 and contiguous; (0, None, None, None, None) for other formats."""
+    turbo = getattr(k_cache, "kv_turbo", None)
+    if turbo is None:
+        return 0, None, None, None, None
+    bits, rot, levels = turbo
+    shift = getattr(k_cache, "kv_shift", None)
+    return (bits, levels.contiguous(), ((levels[1:] + levels[:-1]) / 2).contiguous(), rot.contiguous(),
+            None if shift is None else shift.float().contiguous())
 
 
 def rotation(cache: torch.Tensor) -> torch.Tensor | None:

@@ -17,6 +17,10 @@ every position, so nothing reads it back, and the smaller vectors lose less to t
 bundled model, turbo4's KLD 0.074 -> 0.048, turbo3's 0.34 -> 0.21). Values are not shifted: adding the
 mean back after attention measured worse.
 
+On the CPU, ops/cpu_kernels.c reads these rows in its decode attention (the levels looked up eight
+at a time) and writes them in its one-call decode step (turbo_write, the same codes but for a
+coordinate within rounding of a midpoint, which its other order of sums may send to the next level).
+
 R is a Haar-random orthogonal matrix from a seeded QR (any D; a dense D x D product per vector costs
 what a fast Hadamard transform would not save here), the same for every layer, K and V. Indices pack 8
 to b bytes. The paper's 1-bit QJL residual for keys is not applied (turbo8/4/3: b bits a coordinate).

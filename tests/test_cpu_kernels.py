@@ -5,6 +5,7 @@ decode step against the op-by-op path. The AVX2 build runs the same tests in a s
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -237,12 +238,15 @@ def test_the_bf16_build_passes_its_tests(tmp_path):
 
 @pytest.mark.skipif(os.environ.get("XINFER_CPU_ISA") == "avx2", reason="this is the AVX2 rerun itself")
 def test_the_avx2_build_passes_the_same_tests(tmp_path):
-    """AVX2 machines (no AVX-512) get their own matmul kernels: XINFER_CPU_ISA=avx2 builds them for
-    Haswell, which this CPU also runs, with every test above."""
+    """AVX2 machines (no AVX-512) get their own matmul and attention kernels: XINFER_CPU_ISA=avx2 builds
+    them for Haswell, which this CPU also runs, with every test above and the KV formats' C tests."""
     if cpu_isa.level_of(cpu_isa.cpu_flags()) == "none":
         pytest.skip("this CPU has no AVX2")
     env = dict(os.environ, XINFER_CPU_ISA="avx2", XINFER_CACHE_DIR=str(tmp_path))
+    kv = str(Path(__file__).parent / "test_kv_quant.py")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not avx2_build and not bf16",
-                        __file__], env=env, capture_output=True, text=True, timeout=600)
+                        __file__, kv + "::test_torch_and_c_attention_on_quantized_caches",
+                        kv + "::test_c_writes_turbo_rows_as_torch_does", kv + "::test_c_writes_the_bytes_torch_writes"],
+                       env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-1000:]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bench.cmd_fidelity import TEXT, compare
-from ops import cpu_kernels, kv_quant
+from ops import cpu_kernels, kv_quant, turbo_quant
 from ops.attention import AttnMetadata, TorchBackend
 from tests.conftest import has_triton
 from xinfer import Engine, EngineConfig, SamplingParams
@@ -125,24 +125,51 @@ def test_c_writes_the_bytes_torch_writes(name):
     kv_quant.store(x, want, slots)
     sc = kv_quant.scales(got)
     cpu_kernels.lib().xinfer_kv_store(got.data_ptr(), None if sc is None else sc.data_ptr(), kv_quant.C_KINDS[dtype],
-                                      slots.data_ptr(), x.contiguous().data_ptr(), len(x), 2, 64)
+                                      slots.data_ptr(), x.contiguous().data_ptr(), len(x), 2, 64, 0, None, None, None,
+                                      None)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     if sc is not None:
         assert torch.equal(sc, kv_quant.scales(want))
 
 
-def test_one_call_decode_step_with_fp8(smollm_path):
-    """The bundled model's decode steps run in one C call on an fp8 cache too, with the per-op path's tokens."""
+@pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels do not build here")
+@pytest.mark.parametrize("name", TURBO)
+@pytest.mark.parametrize("shifted", [False, True])
+def test_c_writes_turbo_rows_as_torch_does(name, shifted):
+    """The C decode step's turbo write: the same codes as torch's (its sums run in another order, so a
+    coordinate within rounding of a midpoint may take the neighbouring level) and the same lengths."""
+    x = _heads(t=40, h=2)
+    slots = torch.randperm(48)[:len(x)]
+    want, got = kv_quant.alloc((12, 4, 2, 64), name, "cpu"), kv_quant.alloc((12, 4, 2, 64), name, "cpu")
+    if shifted:  # a key cache: stored less its calibrated mean
+        want.kv_shift = got.kv_shift = x.mean(0)
+    kv_quant.store(x, want, slots)
+    bits, *ptrs = kv_quant.turbo_args(got)
+    cpu_kernels.lib().xinfer_kv_store(got.data_ptr(), got.kv_scale.data_ptr(), kv_quant.TURBO_KIND, slots.data_ptr(),
+                                      x.contiguous().data_ptr(), len(x), 2, 64, bits,
+                                      *[None if t is None else t.data_ptr() for t in ptrs])
+    all_slots = torch.arange(48)
+    codes = [turbo_quant._unpack(c.view(48, 2, -1), bits) for c in (got, want)]
+    assert (codes[0] != codes[1]).float().mean() < 0.002
+    torch.testing.assert_close(kv_quant.gather(got, all_slots, torch.float32),
+                               kv_quant.gather(want, all_slots, torch.float32), rtol=0, atol=0.15)
+    torch.testing.assert_close(got.kv_scale.float(), want.kv_scale.float(), rtol=2e-3, atol=0)
+
+
+@pytest.mark.parametrize("name", ["fp8", "turbo4"])
+def test_one_call_decode_step_on_quantized_caches(smollm_path, name):
+    """The bundled model's decode steps run in one C call on fp8 and turbo caches too, with the per-op
+    path's tokens."""
     prompts = [[1, 422, 3226, 282, 4649, 314], list(range(200, 260))]
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = []
     for fused in (True, False):
-        e = Engine(EngineConfig(model=smollm_path, kv_cache_gb=0.02, kvcache_dtype="fp8"), log_level="warning")
+        e = Engine(EngineConfig(model=smollm_path, kv_cache_gb=0.02, kvcache_dtype=name), log_level="warning")
         if not fused:
             e.runner.model._cpu_decoder = False
         outs.append([o.token_ids for o in e.generate(prompts, greedy)])
         if fused and cpu_kernels.available():
-            assert e.runner.model._cpu_decoder, "the C decode step did not take the fp8 cache"
+            assert e.runner.model._cpu_decoder, f"the C decode step did not take the {name} cache"
         e.close()
     assert outs[0] == outs[1]
 
@@ -214,9 +241,9 @@ def test_torch_and_c_attention_on_quantized_caches(name):
         if fused._c is not None:
             m = _fresh(meta)
             got_c = fused.forward(q, kq, vq, m, 0.125)
-            # the C kernel reads every format but turbo's
+            # the C kernel reads every format, turbo's too (in its rotated frame)
             short = any(map(m.is_short, range(len(qlens))))
-            assert (m.cache["torch"]["decode_c"] is not None) == (rot is None and short)
+            assert (m.cache["torch"]["decode_c"] is not None) == short
             torch.testing.assert_close(got_c, want, rtol=1e-5, atol=1e-5)
         exact = plain.forward(q, kf, vf, _fresh(meta), 0.125)
         err = (got - exact).abs()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ops import cpu_decode, kv_quant
+from ops import cpu_decode, cpu_kernels, kv_quant
 from ops.attention import context
 from ops.linear import linear
 from ops.norm import RMSNorm
@@ -172,7 +172,7 @@ class LlamaForCausalLM(nn.Module):
         a, mlp = layer.self_attn, layer.mlp
         if type(layer) is not self.c_decode_layer or type(a) is not Attention or type(mlp) is not GatedMLP \
                 or mlp.act_name not in cpu_decode.ACTS or a.rotary.interleaved or a.k_cache is None \
-                or a.k_cache.dtype not in kv_quant.C_KINDS:
+                or kv_quant.c_kind(a.k_cache) is None or not cpu_kernels.attends(a.head_dim):
             return None
         lins = {"qkv": a.qkv_proj, "o": a.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
         if any(lin.blocks is None for lin in lins.values()):
