@@ -605,28 +605,24 @@ static inline void chunk_rows(const xq_kv *c, const int32_t *tab, int t0, int cn
 }
 
 // Decode attention straight from the paged KV cache (no gather): one query row per sequence.
-// Query heads g0..g1-1 of KV head h (of G = Hq / Hkv in its group) for one sequence: they share
-// each K/V read. q: the sequence's query row (heads packed, D apart, D a multiple of VW); tab: its
-// block table; L: its KV length, the new token included. window > 0: only the last `window`
-// positions; softcap > 0: scores = softcap * tanh(scores / softcap).
+// The G query heads qh (D apart) of KV head h over the sequence's positions t0 .. t1 - 1 (tab: its
+// block table): they share each K/V read. softcap > 0: scores = softcap * tanh(scores / softcap).
 // One pass over K and V, VW tokens at a time with a running max and sum (online softmax): each
-// chunk's VW scores come out of one vector (v_sums), their exponentials out of one v_exp.
-static void attend_group(const float *q, const xq_kv *kc, const xq_kv *vc, const int32_t *tab, int L, int h,
-                         int g0, int g1, int G, int Hkv, int D, int bs, float scale, int window, float softcap,
-                         float *out) {
-    const int start = (window > 0 && L > window) ? L - window : 0, ng = g1 - g0;
-    const float *qh = q + (size_t)(h * G + g0) * D;
-    float *o = out + (size_t)(h * G + g0) * D;
-    float mx[ng], sum[ng], kbuf[VW * D], vbuf[VW * D], ks[VW], vs[VW], p[VW];
+// chunk's VW scores come out of one vector (v_sums), their exponentials out of one v_exp. Leaves
+// o [G, D] unnormalized, with each head's max and sum of exponentials in mx and sum.
+static void attend_range(const float *qh, const xq_kv *kc, const xq_kv *vc, const int32_t *tab, int t0, int t1,
+                         int h, int G, int Hkv, int D, int bs, float scale, float softcap, float *o, float *mx,
+                         float *sum) {
+    float kbuf[VW * D], vbuf[VW * D], ks[VW], vs[VW], p[VW];
     const float *kr[VW], *vr[VW];
-    for (int g = 0; g < ng; g++) mx[g] = -INFINITY, sum[g] = 0.f;
-    memset(o, 0, sizeof(float) * (size_t)ng * D);
-    for (int t0 = start; t0 < L; t0 += VW) {
-        const int cnt = L - t0 < VW ? L - t0 : VW;
-        chunk_rows(kc, tab, t0, cnt, bs, Hkv, h, D, kbuf, kr, ks);
-        chunk_rows(vc, tab, t0, cnt, bs, Hkv, h, D, vbuf, vr, vs);
+    for (int g = 0; g < G; g++) mx[g] = -INFINITY, sum[g] = 0.f;
+    memset(o, 0, sizeof(float) * (size_t)G * D);
+    for (int c0 = t0; c0 < t1; c0 += VW) {
+        const int cnt = t1 - c0 < VW ? t1 - c0 : VW;
+        chunk_rows(kc, tab, c0, cnt, bs, Hkv, h, D, kbuf, kr, ks);
+        chunk_rows(vc, tab, c0, cnt, bs, Hkv, h, D, vbuf, vr, vs);
         const vf kscale = v_mul(v_load(ks), v_set1(scale)), vscale = v_load(vs);
-        for (int g = 0; g < ng; g++) {
+        for (int g = 0; g < G; g++) {
             const float *qg = qh + (size_t)g * D;
             vf acc[VW];
             for (int j = 0; j < VW; j++) acc[j] = v_zero();
@@ -656,27 +652,71 @@ static void attend_group(const float *q, const xq_kv *kc, const xq_kv *vc, const
             }
         }
     }
-    for (int g = 0; g < ng; g++) {
-        const vf inv = v_set1(sum[g] > 0.f ? 1.f / sum[g] : 0.f);
-        for (int i = 0; i < D; i += VW) v_store(o + (size_t)g * D + i, v_mul(v_load(o + (size_t)g * D + i), inv));
+}
+
+// How many position ranges each (sequence, KV head) is split into: one where those pairs alone keep
+// every thread busy, else enough for about four items a thread (a long context with few sequences),
+// each of at least ~64 positions. Every item reads its K/V once, for all its query heads.
+static int attn_splits(int B, int Hkv, int max_len) {
+    const int T = omp_get_max_threads(), pairs = B * Hkv, cap = (max_len + 63) / 64;
+    if (pairs >= 2 * T) return 1;
+    const int s = (4 * T + pairs - 1) / pairs;
+    return s < cap ? s : (cap > 1 ? cap : 1);
+}
+
+// Every sequence's attention, shared out over the threads of the enclosing parallel region by
+// (sequence, KV head, position range). q rows q_stride apart, out [B, Hq, D]; window > 0: only the
+// last `window` positions. S ranges (attn_splits): part holds each item's unnormalized output, max
+// and sum (B * Hkv * S * G * (D + 2) floats), merged afterwards.
+static void attend_team(const float *q, int64_t q_stride, const xq_kv *kc, const xq_kv *vc, const int32_t *tables,
+                        int table_stride, const int32_t *lens, float *out, int B, int Hq, int Hkv, int D, int bs,
+                        float scale, int window, float softcap, int S, float *part) {
+    const int G = Hq / Hkv;
+#pragma omp for schedule(dynamic, 1)
+    for (int it = 0; it < B * Hkv * S; it++) {
+        const int b = it / (Hkv * S), h = it / S % Hkv, s = it % S, L = lens[b];
+        const int start = (window > 0 && L > window) ? L - window : 0;
+        const int per = ((L - start + S - 1) / S + VW - 1) / VW * VW;  // whole chunks but the last
+        const int t0 = start + s * per < L ? start + s * per : L, t1 = t0 + per < L ? t0 + per : L;
+        const float *qh = q + (size_t)b * q_stride + (size_t)h * G * D;
+        const int32_t *tab = tables + (size_t)b * table_stride;
+        if (S == 1) {
+            float mx[G], sum[G], *o = out + ((size_t)b * Hq + (size_t)h * G) * D;
+            attend_range(qh, kc, vc, tab, t0, t1, h, G, Hkv, D, bs, scale, softcap, o, mx, sum);
+            for (int g = 0; g < G; g++) {
+                const vf inv = v_set1(sum[g] > 0.f ? 1.f / sum[g] : 0.f);
+                for (int i = 0; i < D; i += VW) v_store(o + (size_t)g * D + i, v_mul(v_load(o + (size_t)g * D + i), inv));
+            }
+        } else {
+            float *p = part + (size_t)it * G * (D + 2);
+            attend_range(qh, kc, vc, tab, t0, t1, h, G, Hkv, D, bs, scale, softcap, p, p + (size_t)G * D,
+                         p + (size_t)G * D + G);
+        }
+    }
+    if (S == 1) return;
+#pragma omp for schedule(static)
+    for (int j = 0; j < B * Hq; j++) {  // query head g of KV head h of sequence b: its S ranges merged
+        const int b = j / Hq, h = j % Hq / G, g = j % G;
+        const float *p0 = part + ((size_t)b * Hkv + h) * S * G * (D + 2);
+        float m = -INFINITY, total = 0.f, *o = out + (size_t)j * D;
+        for (int s = 0; s < S; s++) m = fmaxf(m, p0[(size_t)s * G * (D + 2) + (size_t)G * D + g]);
+        for (int i = 0; i < D; i++) o[i] = 0.f;
+        for (int s = 0; s < S; s++) {
+            const float *p = p0 + (size_t)s * G * (D + 2), ms = p[(size_t)G * D + g];
+            if (ms == -INFINITY) continue;  // an empty range
+            const float w = expf(ms - m);
+            total += w * p[(size_t)G * D + G + g];
+            for (int i = 0; i < D; i++) o[i] += w * p[(size_t)g * D + i];
+        }
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        for (int i = 0; i < D; i++) o[i] *= inv;
     }
 }
 
-// Every sequence's attention, shared out over the threads of the enclosing parallel region: by
-// (sequence, KV head) when there are enough of those to go round, else by query head. q rows
-// q_stride apart, out [B, Hq, D].
-static void attend_team(const float *q, int64_t q_stride, const xq_kv *kc, const xq_kv *vc, const int32_t *tables,
-                        int table_stride, const int32_t *lens, float *out, int B, int Hq, int Hkv, int D, int bs,
-                        float scale, int window, float softcap) {
-    const int G = Hq / Hkv, per = B * Hkv >= 2 * omp_get_num_threads() ? G : 1;
-    const int items = B * Hkv * (G / per);
-#pragma omp for schedule(dynamic, 1)
-    for (int it = 0; it < items; it++) {
-        const int b = it / (Hkv * (G / per)), rest = it % (Hkv * (G / per));
-        const int h = rest / (G / per), g0 = rest % (G / per) * per;
-        attend_group(q + (size_t)b * q_stride, kc, vc, tables + (size_t)b * table_stride, lens[b], h, g0, g0 + per, G,
-                     Hkv, D, bs, scale, window, softcap, out + (size_t)b * Hq * D);
-    }
+static int max_len(const int32_t *lens, int B) {
+    int m = 1;
+    for (int b = 0; b < B; b++) m = lens[b] > m ? lens[b] : m;
+    return m;
 }
 
 int xinfer_attn_width(void) { return VW; }  // head sizes the C attention takes: multiples of this
@@ -690,9 +730,12 @@ void xinfer_paged_decode(const float *q, void *kc, void *vc, float *k_scale, flo
                          const float *levels) {
     const xq_kv k = {kc, k_scale, kind, bits, levels, NULL, NULL, NULL};
     const xq_kv v = {vc, v_scale, kind, bits, levels, NULL, NULL, NULL};
+    const int S = attn_splits(B, Hkv, max_len(lens, B));
+    float *part = S > 1 ? malloc(sizeof(float) * (size_t)B * Hq * S * (D + 2)) : NULL;
 #pragma omp parallel
     attend_team(q, (int64_t)Hq * D, &k, &v, tables, table_stride, lens, out, B, Hq, Hkv, D, bs, scale, window,
-                softcap);
+                softcap, S, part);
+    free(part);
 }
 
 // residual += x (when residual is given), then out = w * (r / sqrt(mean(r^2) + eps)) per row of H,
@@ -782,6 +825,8 @@ void xinfer_decode(const xq_model *m, const float *x, float *out, int B, const i
     float *y = malloc(sizeof(float) * (size_t)B * H), *qkv = malloc(sizeof(float) * (size_t)B * QKV);
     float *att = malloc(sizeof(float) * (size_t)B * Hq * D), *gu = malloc(sizeof(float) * (size_t)B * 2 * I);
     float *act = malloc(sizeof(float) * (size_t)B * I);
+    const int S = attn_splits(B, Hkv, max_len(lens, B));  // decode attention's position ranges
+    float *part = S > 1 ? malloc(sizeof(float) * (size_t)B * Hq * S * (D + 2)) : NULL;
     memcpy(y, x, sizeof(float) * (size_t)B * H);
 #pragma omp parallel
     {
@@ -811,7 +856,7 @@ void xinfer_decode(const xq_model *m, const float *x, float *out, int B, const i
                 if (L->kv_kind == KV_TURBO) rotate_heads(L->rotation, qb, Hq, D, 0);  // into the cache's frame
             }
             attend_team(qkv, QKV, &kc, &vc, tables, table_stride, lens, att, B, Hq, Hkv, D, m->bs, L->scale,
-                        L->window, L->softcap);
+                        L->window, L->softcap, S, part);
             if (L->kv_kind == KV_TURBO) {
 #pragma omp for schedule(static)
                 for (int b = 0; b < B; b++) rotate_heads(L->rotation, att + (size_t)b * Hq * D, Hq, D, 1);  // and back
@@ -843,5 +888,5 @@ void xinfer_decode(const xq_model *m, const float *x, float *out, int B, const i
             add_rmsnorm_row(y + (size_t)b * H, res + (size_t)b * H, m->final_norm, out + (size_t)b * H, H, m->eps,
                             m->offset);
     }
-    free(res), free(h), free(y), free(qkv), free(att), free(gu), free(act);
+    free(res), free(h), free(y), free(qkv), free(att), free(gu), free(act), free(part);
 }

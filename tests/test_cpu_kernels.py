@@ -116,8 +116,10 @@ def _paged_case(seed, lens, query_lens, hq=6, hkv=2, d=64, bs=4):
 def test_paged_decode_matches_gather_sdpa(window, softcap):
     fused, plain = TorchBackend(), TorchBackend()
     plain._c = None
-    # decodes only, and decodes mixed with a prefill chunk (which takes the SDPA path in both)
-    for lens, qlens in [([1, 7, 16, 33], [1, 1, 1, 1]), ([9, 20, 3], [1, 6, 1])]:
+    # decodes only, and decodes mixed with a prefill chunk (which takes the SDPA path in both); one or
+    # two long sequences: each (sequence, KV head) split into position ranges, merged after (some
+    # empty under the window)
+    for lens, qlens in [([1, 7, 16, 33], [1, 1, 1, 1]), ([9, 20, 3], [1, 6, 1]), ([300], [1]), ([70], [1])]:
         q, kc, vc, meta = _paged_case(len(lens), lens, qlens)
         want = plain.forward(q, kc, vc, AttnMetadata(**{f: getattr(meta, f) for f in (
             "cu_seqlens_q", "seq_lens", "block_tables", "slot_mapping", "query_lens", "kv_lens", "block_size")}),
