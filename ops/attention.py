@@ -143,12 +143,7 @@ class TorchBackend(AttentionBackend):
         return plan
 
     def forward(self, q, k_cache, v_cache, meta, scale, sliding_window=None, softcap=None):
-        rot = kv_quant.rotation(k_cache)
-        if rot is None:
-            return self._forward(q, k_cache, v_cache, meta, scale, sliding_window, softcap)
-        # a turbo cache is read in its rotated frame (ops/turbo_quant.py): rotate the queries in, the output out
-        rot = rot.to(q.dtype)
-        return self._forward((q @ rot.T).contiguous(), k_cache, v_cache, meta, scale, sliding_window, softcap) @ rot
+        return _in_frame(q, k_cache, lambda q: self._forward(q, k_cache, v_cache, meta, scale, sliding_window, softcap))
 
     def _forward(self, q, k_cache, v_cache, meta, scale, sliding_window, softcap):
         out = torch.empty_like(q)
@@ -218,6 +213,16 @@ def _sdpa(q, k, v, mask, scale, softcap):
     return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
 
 
+def _in_frame(q, k_cache, attend):
+    """attend(q), where a turbo cache is read in its rotated frame (ops/turbo_quant.py): the queries
+    rotated in, the output rotated back out."""
+    rot = kv_quant.rotation(k_cache)
+    if rot is None:
+        return attend(q)
+    rot = rot.to(q.dtype)
+    return attend((q @ rot.T).contiguous()) @ rot
+
+
 class TritonBackend(AttentionBackend):
     name = "triton"
 
@@ -226,12 +231,17 @@ class TritonBackend(AttentionBackend):
         self._k = triton_attention
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
+        if hasattr(k_cache, "kv_turbo"):  # quantized by torch (a rotation and a codebook a vector)
+            keep = slot_mapping >= 0  # padding tokens have no slot
+            kv_quant.store(k[keep], k_cache, slot_mapping[keep])
+            kv_quant.store(v[keep], v_cache, slot_mapping[keep])
+            return
         self._k.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def forward(self, q, k_cache, v_cache, meta, scale, sliding_window=None, softcap=None):
-        return self._k.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
-                                       meta.block_tables, scale, sliding_window=sliding_window,
-                                       softcap=softcap, max_seqlen_q=meta.max_seqlen_q)
+        return _in_frame(q, k_cache, lambda q: self._k.paged_attention(
+            q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, scale,
+            sliding_window=sliding_window, softcap=softcap, max_seqlen_q=meta.max_seqlen_q))
 
 
 def _flashinfer_backend():

@@ -13,7 +13,8 @@ as `kv_scale`: the attention layers hand backends the cache tensor alone, and ML
 
 turbo8 / turbo4 / turbo3 (ops/turbo_quant.py): rotated, Lloyd-Max coded vectors of b bits a value and a
 float16 length; their cache holds packed bytes (uint8, `kv_turbo` says how), read and written by the
-torch backend and, on the CPU, by the C decode attention and the one-call C decode step.
+torch backend and, on the CPU, by the C decode attention and the one-call C decode step; read by the
+Triton kernel (written there by torch).
 """
 from __future__ import annotations
 
@@ -37,9 +38,8 @@ def storage_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype | str:
 
 def check_backend(name: str, dtype, model_dtype: torch.dtype, backend: str) -> None:
     """A start-up error where the attention backend cannot read the cache format."""
-    if isinstance(dtype, str) and backend != "torch":
-        raise ValueError(f"--kvcache-dtype {name} runs on the torch attention backend (--attention-backend torch), "
-                         f"not {backend}")
+    if isinstance(dtype, str) and backend not in ("torch", "triton"):
+        raise ValueError(f"--kvcache-dtype {name} runs on the torch and triton attention backends, not {backend}")
     if backend == "flashinfer" and dtype != model_dtype:
         raise ValueError(f"--kvcache-dtype {name} runs on the torch and triton attention backends, not flashinfer "
                          f"(its fp8 takes one scale a tensor; ours, one a head vector)")

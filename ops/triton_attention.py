@@ -4,7 +4,9 @@ Cache layout, per layer: ``k_cache`` / ``v_cache`` are ``[num_blocks, block_size
 KV position ``p`` of sequence ``b`` lives at block ``block_tables[b, p // block_size]``, offset
 ``p % block_size``.  A cache may be fp8 (ops/kv_quant.py): ``store_kv`` then quantizes each head vector with its
 own scale, stored in the cache's ``kv_scale`` tensor, and attention applies the scales to the scores (K) and
-to the probabilities (V), so no dequantized copy of a tile is made.
+to the probabilities (V), so no dequantized copy of a tile is made.  A turbo cache (ops/turbo_quant.py) holds
+packed codes: attention unpacks them to their codebook levels as it loads a tile, its lengths act as scales,
+and q arrives in its rotated frame (the backend rotates q in and the output back).
 
 ``paged_attention`` runs one unified kernel over a flat, mixed batch (decodes and chunked prefills):
 
@@ -174,10 +176,21 @@ def _tanh(x):
 
 
 @triton.jit
+def _turbo_values(base, d, mask, lv_ptr, BITS: tl.constexpr):
+    """A turbo cache's codebook levels for value d of the rows at `base` (ops/turbo_quant.py: eight values
+    are a little-endian word of 8 * BITS bits); their lengths come in as the rows' scales."""
+    bit = d * BITS
+    word = tl.load(base + bit // 8, mask=mask, other=0).to(tl.int32)
+    if BITS == 3:  # a code that straddles two bytes
+        word = word | (tl.load(base + bit // 8 + 1, mask=mask & (bit % 8 > 5), other=0).to(tl.int32) << 8)
+    return tl.load(lv_ptr + ((word >> (bit % 8)) & ((1 << BITS) - 1)), mask=mask, other=0.0)
+
+
+@triton.jit
 def _attn_tiles(
     acc, l_i, m_i,
     q, q_pos,
-    k_cache_ptr, v_cache_ptr, ks_ptr, vs_ptr, bt_row_ptr, kvh, seq_len, window,
+    k_cache_ptr, v_cache_ptr, ks_ptr, vs_ptr, lv_ptr, bt_row_ptr, kvh, seq_len, window,
     scale, softcap,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -186,11 +199,12 @@ def _attn_tiles(
     tile_start, tile_end,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAD_D: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, MASKED: tl.constexpr, FP32: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, SCALED: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, SCALED: tl.constexpr, TURBO: tl.constexpr,
 ):
     """Online-softmax over KV tiles [tile_start, tile_end).  MASKED=False: every position of every tile is inside
     the causal/window range of every row and below seq_len, so no score mask and no position bounds on loads.
-    SCALED: fp8 caches; a position's K scale multiplies its scores, its V scale its probabilities."""
+    SCALED: fp8 and turbo caches; a position's K scale multiplies its scores, its V scale its probabilities.
+    TURBO: a turbo cache's bits a value (0: none); its rows are packed codes, read as levels (lv_ptr)."""
     offs_n = tl.arange(0, BLOCK_N)
     for t in range(tile_start, tile_end):
         kv_pos = t * BLOCK_N + offs_n
@@ -200,11 +214,20 @@ def _attn_tiles(
         else:
             blk = tl.load(bt_row_ptr + kv_pos // BLOCK_SIZE).to(tl.int64)
         off = kv_pos % BLOCK_SIZE
-        k_ptrs = (k_cache_ptr + blk[None, :] * stride_kb + off[None, :] * stride_ks + kvh * stride_kh
-                  + offs_d[:, None] * stride_kd)
-        v_ptrs = (v_cache_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + kvh * stride_vh
-                  + offs_d[None, :] * stride_vd)
-        if MASKED:
+        k_rows = k_cache_ptr + blk[None, :] * stride_kb + off[None, :] * stride_ks + kvh * stride_kh
+        v_rows = v_cache_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + kvh * stride_vh
+        k_ptrs = k_rows + offs_d[:, None] * stride_kd
+        v_ptrs = v_rows + offs_d[None, :] * stride_vd
+        if TURBO:
+            if MASKED:
+                k_mask = d_mask[:, None] & n_valid[None, :]
+                v_mask = n_valid[:, None] & d_mask[None, :]
+            else:
+                k_mask = d_mask[:, None] & (offs_n[None, :] >= 0)
+                v_mask = (offs_n[:, None] >= 0) & d_mask[None, :]
+            k = _turbo_values(k_rows, offs_d[:, None], k_mask, lv_ptr, TURBO)
+            v = _turbo_values(v_rows, offs_d[None, :], v_mask, lv_ptr, TURBO)
+        elif MASKED:
             k = tl.load(k_ptrs, mask=d_mask[:, None] & n_valid[None, :], other=0.0)
             v = tl.load(v_ptrs, mask=n_valid[:, None] & d_mask[None, :], other=0.0)
         elif PAD_D:
@@ -216,11 +239,11 @@ def _attn_tiles(
         if SCALED:
             s_ptrs = blk * stride_sb + off * stride_ss + kvh * stride_sh
             if MASKED:
-                k_scale = tl.load(ks_ptr + s_ptrs, mask=n_valid, other=0.0)
-                v_scale = tl.load(vs_ptr + s_ptrs, mask=n_valid, other=0.0)
+                k_scale = tl.load(ks_ptr + s_ptrs, mask=n_valid, other=0.0).to(tl.float32)
+                v_scale = tl.load(vs_ptr + s_ptrs, mask=n_valid, other=0.0).to(tl.float32)
             else:
-                k_scale = tl.load(ks_ptr + s_ptrs)
-                v_scale = tl.load(vs_ptr + s_ptrs)
+                k_scale = tl.load(ks_ptr + s_ptrs).to(tl.float32)
+                v_scale = tl.load(vs_ptr + s_ptrs).to(tl.float32)
 
         if FP32:
             s = tl.dot(q, k.to(q.dtype), input_precision="ieee")
@@ -261,7 +284,7 @@ def _attn_tiles(
 
 @triton.jit
 def _paged_attn_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, ks_ptr, vs_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, ks_ptr, vs_ptr, lv_ptr, out_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,
     cu_q_ptr, seq_lens_ptr, bt_ptr,
     scale, softcap, window,
@@ -275,7 +298,7 @@ def _paged_attn_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, FP32: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, PAD_D: tl.constexpr, SCALED: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, PAD_D: tl.constexpr, SCALED: tl.constexpr, TURBO: tl.constexpr,
 ):
     tile_id = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -332,23 +355,26 @@ def _paged_attn_kernel(
     bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_bt
 
     acc, l_i, m_i = _attn_tiles(
-        acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, ks_ptr, vs_ptr, bt_row_ptr, kvh, seq_len, window, scale,
+        acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, ks_ptr, vs_ptr, lv_ptr, bt_row_ptr, kvh, seq_len, window,
+        scale,
         softcap, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
         stride_sb, stride_ss, stride_sh,
         offs_d, d_mask, seg_lo, tl.minimum(seg_hi, full_lo),
-        BLOCK_N, BLOCK_SIZE, PAD_D, USE_WINDOW, USE_SOFTCAP, True, FP32, UPCAST_DOT, SCALED)
+        BLOCK_N, BLOCK_SIZE, PAD_D, USE_WINDOW, USE_SOFTCAP, True, FP32, UPCAST_DOT, SCALED, TURBO)
     acc, l_i, m_i = _attn_tiles(
-        acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, ks_ptr, vs_ptr, bt_row_ptr, kvh, seq_len, window, scale,
+        acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, ks_ptr, vs_ptr, lv_ptr, bt_row_ptr, kvh, seq_len, window,
+        scale,
         softcap, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
         stride_sb, stride_ss, stride_sh,
         offs_d, d_mask, tl.maximum(seg_lo, full_lo), tl.minimum(seg_hi, full_hi),
-        BLOCK_N, BLOCK_SIZE, PAD_D, USE_WINDOW, USE_SOFTCAP, False, FP32, UPCAST_DOT, SCALED)
+        BLOCK_N, BLOCK_SIZE, PAD_D, USE_WINDOW, USE_SOFTCAP, False, FP32, UPCAST_DOT, SCALED, TURBO)
     acc, l_i, m_i = _attn_tiles(
-        acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, ks_ptr, vs_ptr, bt_row_ptr, kvh, seq_len, window, scale,
+        acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, ks_ptr, vs_ptr, lv_ptr, bt_row_ptr, kvh, seq_len, window,
+        scale,
         softcap, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
         stride_sb, stride_ss, stride_sh,
         offs_d, d_mask, tl.maximum(seg_lo, full_hi), seg_hi,
-        BLOCK_N, BLOCK_SIZE, PAD_D, USE_WINDOW, USE_SOFTCAP, True, FP32, UPCAST_DOT, SCALED)
+        BLOCK_N, BLOCK_SIZE, PAD_D, USE_WINDOW, USE_SOFTCAP, True, FP32, UPCAST_DOT, SCALED, TURBO)
 
     if NUM_SEGMENTS > 1:
         # Partials [T, Hq, S] (+ [D_PAD]) in fp32; the reduce kernel merges the segments.
@@ -402,7 +428,8 @@ def _paged_attention_impl(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tab
     if q.dim() != 3:
         raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got {tuple(q.shape)}")
     num_tokens, num_q_heads, head_dim = q.shape
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[3] != head_dim:
+    bits, _, levels = getattr(k_cache, "kv_turbo", (0, None, None))  # q and out in a turbo cache's rotated frame
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[3] != head_dim * (bits or 8) // 8:
         raise ValueError(f"cache shape {tuple(k_cache.shape)} / {tuple(v_cache.shape)} does not match "
                          f"[num_blocks, block_size, num_kv_heads, {head_dim}]")
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -458,7 +485,7 @@ def _paged_attention_impl(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tab
         num_warps, num_stages = 4, 1
     ks, vs = _scales(k_cache, v_cache)
     _paged_attn_kernel[(num_tiles, num_kv_heads, num_segments)](
-        q, k_cache, v_cache, ks, vs, out,
+        q, k_cache, v_cache, ks, vs, k_cache if levels is None else levels, out,
         part_m, part_l, part_acc,
         cu_seqlens_q, seq_lens, block_tables,
         float(scale), float(softcap) if softcap is not None else 1.0,
@@ -470,7 +497,7 @@ def _paged_attention_impl(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tab
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_SIZE=block_size,
         NUM_SEGMENTS=num_segments, USE_WINDOW=sliding_window is not None, USE_SOFTCAP=softcap is not None,
         FP32=fp32, UPCAST_DOT=not fp32 and _interpreter_needs_fp32_dot(q.dtype),
-        PAD_D=d_pad != head_dim, SCALED=ks is not k_cache,
+        PAD_D=d_pad != head_dim, SCALED=ks is not k_cache, TURBO=bits,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_segments > 1:

@@ -17,6 +17,7 @@ every position, so nothing reads it back, and the smaller vectors lose less to t
 bundled model, turbo4's KLD 0.074 -> 0.048, turbo3's 0.34 -> 0.21). Values are not shifted: adding the
 mean back after attention measured worse.
 
+Triton (ops/triton_attention.py) unpacks the codes as it loads a tile; the writes there are torch's.
 On the CPU, ops/cpu_kernels.c reads these rows in its decode attention (the levels looked up eight
 at a time) and writes them in its one-call decode step (turbo_write, the same codes but for a
 coordinate within rounding of a midpoint, which its other order of sums may send to the next level).

@@ -275,6 +275,27 @@ def test_triton_store_and_attention_on_quantized_caches(name, dtype):
     torch.testing.assert_close(got, _plain().forward(q, kr, vr, _fresh(meta), 0.125), rtol=tol, atol=tol)
 
 
+@pytest.mark.skipif(not has_triton(), reason="Triton is not installed here (its kernels run on the CPU under TRITON_INTERPRET=1 where it is)")
+@pytest.mark.parametrize("name", TURBO)
+def test_triton_attention_on_turbo_caches(name):
+    """The Triton backend (interpreted here) reads turbo rows as the torch backend does: codes unpacked to
+    their levels in the kernel, lengths as the rows' scales, queries and output rotated around it; its
+    writes are torch's own (padding slots skipped)."""
+    from ops.attention import TritonBackend
+    lens, qlens = [9, 20, 3], [1, 6, 1]
+    q, meta, ((kf, vf), (kq, vq)) = _case(name, lens, qlens, hkv=2, group=2, d=32)
+    got = TritonBackend().forward(q, kq, vq, _fresh(meta), 0.125)
+    torch.testing.assert_close(got, _plain().forward(q, kq, vq, _fresh(meta), 0.125), rtol=1e-4, atol=1e-4)
+    nb, bs = kq.shape[:2]
+    k, v = torch.randn(2, 5, 2, 32).unbind()
+    slots = torch.tensor([3, -1, 7, 12, -1])
+    (kt, vt), (kr, vr) = [[kv_quant.alloc((nb, bs, 2, 32), name, "cpu") for _ in "kv"] for _ in "tr"]
+    TritonBackend().store_kv(k, v, kt, vt, slots)
+    _plain().store_kv(k[slots >= 0], v[slots >= 0], kr, vr, slots[slots >= 0])
+    for a, b in ((kt, kr), (vt, vr)):
+        assert torch.equal(a, b) and torch.equal(a.kv_scale, b.kv_scale)
+
+
 def test_capacity_follows_the_dtype(tiny_llama_path):
     cfg = {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2}
     assert kv_bytes_per_token(cfg, torch.float32) == 2 * 2 * 2 * 8 * 4
@@ -308,8 +329,9 @@ def test_backends_refuse_what_they_cannot_read():
     kv_quant.check_backend("bf16", torch.bfloat16, torch.bfloat16, "flashinfer")
     with pytest.raises(ValueError, match="torch and triton"):
         kv_quant.check_backend("fp8", torch.float8_e4m3fn, torch.bfloat16, "flashinfer")
-    with pytest.raises(ValueError, match="attention-backend torch"):
-        kv_quant.check_backend("turbo4", "turbo4", torch.bfloat16, "triton")
+    kv_quant.check_backend("turbo4", "turbo4", torch.bfloat16, "triton")
+    with pytest.raises(ValueError, match="torch and triton"):
+        kv_quant.check_backend("turbo4", "turbo4", torch.bfloat16, "flashinfer")
     with pytest.raises(ValueError, match="multiple of 8"):
         kv_quant.alloc((2, 4, 1, 12), "turbo4", "cpu")
 
