@@ -36,7 +36,7 @@ class EngineConfig:
     kv_cache_gb: float = 1.0  # CPU KV cache size
     # How K/V are stored (ops/kv_quant.py): auto: the model dtype; bf16 / fp16: cast; fp8 (= fp8_e4m3),
     # fp8_e5m2: one byte a value with a float32 scale per token and head; turbo8/4/3: rotated vectors,
-    # 8/4/3 bits a value and a length (ops/turbo_quant.py, torch backend). The same --kv-cache-gb then
+    # 8/4/3 bits a value and a length (ops/turbo_quant.py; torch and triton backends). The same --kv-cache-gb then
     # holds proportionally more tokens.
     kvcache_dtype: str = "auto"
     kv_fraction: float = 0.85  # GPU: share of free memory for the KV cache
