@@ -8,8 +8,8 @@ import json
 import sys
 from pathlib import Path
 
-from bench import (cmd_compare, cmd_curve, cmd_fidelity, cmd_formats, cmd_fuzz, cmd_models, cmd_offline, cmd_serve,
-                   cmd_soak)
+from bench import (cmd_attention, cmd_compare, cmd_curve, cmd_fidelity, cmd_formats, cmd_fuzz, cmd_models,
+                   cmd_offline, cmd_serve, cmd_soak)
 from bench.common import load_scenario
 from xinfer.cli import add_engine_args
 
@@ -114,6 +114,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     cmd_fidelity.add_args(sub.add_parser("fidelity", help="KL divergence, same top token and perplexity of one "
                                          "setting against another (default: xinfer's defaults against float32)"))
 
+    cmd_attention.add_args(sub.add_parser("attention", help="decode attention alone, C kernels against the torch "
+                                                            "path, for each KV format"))
     cmd_formats.add_args(sub.add_parser("formats", help="one model in every weight format (GGUF, --isq, GPTQ, AWQ, "
                                                         "NVFP4, MXFP4, W8, FP8): memory, decode speed, KL divergence"))
 

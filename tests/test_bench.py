@@ -552,3 +552,14 @@ def test_formats_on_tiny_model(tmp_path):
         assert rows["float"]["linears_on_blocks"] == 0
         assert rows["q4_k"]["linears_on_blocks"] == rows["gptq-4bit-g64"]["linears_on_blocks"] == 4  # fused qkv, o, gate-up, down
     assert rows["float"]["mean_kld"] < rows["q4_k"]["mean_kld"] < 0.1
+
+
+def test_attention_command(tmp_path):
+    """`xinfer-bench attention`: each KV format's decode attention step, C kernels against the torch path."""
+    from ops import cpu_kernels
+    out = tmp_path / "attention.json"
+    assert cli.main(["attention", "--batch", "2", "--context", "40", "--layers", "2", "--repeats", "1",
+                     "--kvcache-dtype", "auto,turbo4", "--output", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["kvcache_dtype"] for r in rows] == ["auto", "turbo4"] and all(r["torch_ms"] > 0 for r in rows)
+    assert all(("speedup" in r) == cpu_kernels.available() for r in rows)

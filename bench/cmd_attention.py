@@ -1,0 +1,80 @@
+"""`xinfer-bench attention`: decode attention alone, as a model's step runs it, for each KV format.
+
+B sequences of `--context` positions, `--layers` separate caches (so, as in a model, a step reads every
+layer's K and V from memory, not from a cache level that one reused layer would sit in), SmolLM2's heads
+by default. Each format's cache is written by the backend's own store; the C kernels (ops/cpu_kernels.c)
+and the torch path (gather + SDPA, the baseline) run in the same process, alternated, the best of
+`--repeats` rounds kept. A step = one attention call per layer."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from ops import kv_quant
+from ops.attention import AttnMetadata, TorchBackend
+
+
+def _meta(batch: int, context: int, bs: int, perm: torch.Tensor) -> AttnMetadata:
+    per = -(-context // bs)
+    return AttnMetadata(cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32),
+                        seq_lens=torch.full((batch,), context, dtype=torch.int32),
+                        block_tables=perm[:batch * per].view(batch, per).int(), slot_mapping=torch.zeros(0, dtype=torch.long),
+                        query_lens=[1] * batch, kv_lens=[context] * batch, block_size=bs)
+
+
+def run(args) -> int:
+    hq, hkv, d = (int(x) for x in args.heads.split(","))
+    bs, g = 16, torch.Generator().manual_seed(0)
+    nb = args.batch * -(-args.context // bs) + 1
+    perm = torch.randperm(nb - 1, generator=g)  # each sequence's blocks scattered through the cache
+    q = torch.randn(args.batch, hq, d, generator=g)
+    fused, plain = TorchBackend(), TorchBackend()
+    plain._c = None
+    if fused._c is None:
+        print("the C kernels do not build here: only the torch path runs")
+    rows = []
+    for name in args.kvcache_dtype.split(","):
+        dtype = kv_quant.storage_dtype(name, torch.float32)
+        layers = []
+        for _ in range(args.layers):
+            kc, vc = (kv_quant.alloc((nb, bs, hkv, d), dtype, "cpu") for _ in "kv")
+            slots = torch.arange(nb * bs)
+            plain.store_kv(torch.randn(nb * bs, hkv, d, generator=g), torch.randn(nb * bs, hkv, d, generator=g),
+                           kc, vc, slots)
+            layers.append((kc, vc))
+        paths = {"c": fused, "torch": plain} if fused._c is not None else {"torch": plain}
+        best = {p: float("inf") for p in paths}
+        for backend in paths.values():  # a warm-up step: kernels built, first-touch costs paid
+            backend.forward(q, *layers[0], _meta(args.batch, args.context, bs, perm), d ** -0.5)
+        for _ in range(args.repeats):
+            for p, backend in paths.items():
+                metas = [_meta(args.batch, args.context, bs, perm) for _ in layers]  # plans built per step, as in a model
+                t = time.perf_counter()
+                for (kc, vc), m in zip(layers, metas):
+                    backend.forward(q, kc, vc, m, d ** -0.5)
+                best[p] = min(best[p], time.perf_counter() - t)
+        row = {"kvcache_dtype": name, **{f"{p}_ms": round(v * 1000, 2) for p, v in best.items()}}
+        if "c" in best:
+            row["speedup"] = round(best["torch"] / best["c"], 2)
+        rows.append(row)
+        print(f"{name:>9}: " + ", ".join(f"{p} {v * 1000:.1f} ms" for p, v in best.items())
+              + (f" ({row['speedup']}x)" if "c" in best else "") + f" a step of {args.layers} layers")
+    if args.output:
+        Path(args.output).write_text(json.dumps({"mode": "attention", "batch": args.batch, "context": args.context,
+                                                 "heads": args.heads, "layers": args.layers, "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+def add_args(f) -> None:
+    f.add_argument("--batch", type=int, default=16, help="sequences decoding")
+    f.add_argument("--context", type=int, default=512, help="positions each sequence attends to")
+    f.add_argument("--heads", default="9,3,64", help="query heads, KV heads, head size (default: SmolLM2-135M's)")
+    f.add_argument("--layers", type=int, default=30, help="separate caches read one after another a step")
+    f.add_argument("--kvcache-dtype", default="auto,bf16,fp8,turbo4",
+                   help="comma-separated formats (auto: float32)")
+    f.add_argument("--repeats", type=int, default=5)
+    f.add_argument("--output", default=None, help="also write the figures to this JSON file")
+    f.set_defaults(func=run)
