@@ -71,11 +71,22 @@ def _worker_main(config, num_blocks, plan_ring, result_ring, plan_side, result_s
             results.write(enc.encode(result))
 
 
+_fork_env: dict | None = None  # the environment the fork server started in
+
+
 def _worker_context():
     """Workers are forked from a fork server (xinfer::worker-fork, a child of the scheduler) that
     has already imported torch and the model code, and has started no thread and touched no
     device: a restart after a crash then costs the model load, not two more seconds of imports.
-    The server exits when the scheduler does; its workers follow it (they watch their parent)."""
+    The server exits when the scheduler does; its workers follow it (they watch their parent).
+    Its workers see the environment it started in (modules read XINFER_* as they import): once
+    the environment has changed (an offline Engine after a setting), workers are spawned afresh."""
+    global _fork_env
+    env = dict(os.environ)
+    if _fork_env is None:
+        _fork_env = env
+    if env != _fork_env:
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["xinfer.workers.zygote"])
     return ctx
