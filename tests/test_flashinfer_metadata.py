@@ -43,7 +43,7 @@ def torch_backend_slots(meta, b):
     slots = (table[:, None] * bs + torch.arange(bs)).reshape(-1)[:kl]
     backend = A.TorchBackend()
     backend._c = None  # the gather plan, which the C decode kernel skips
-    plan = backend._plan(meta, torch.device("cpu"), torch.float32, torch.float32)
+    plan = backend._plan(meta, torch.device("cpu"), torch.float32, 0, 64)  # a float32 cache (C kind 0), head size 64
     if meta.query_lens[b] == 1:
         rows, dec_slots, valid, _, _ = plan["decode"]
         i = rows.tolist().index(meta.query_starts[b])
