@@ -1,7 +1,8 @@
-"""Tensor parallel over gloo on the CPU: two worker ranks give transformers' greedy tokens and
-log-probabilities (within 1e-4) for each sharded family, a model with fewer KV heads than ranks and
-one whose heads split unevenly; the bundled model's greedy tokens equal TP=1's; a rank killed
-mid-run costs no request; what is not sharded is a clear start-up error."""
+"""Tensor and pipeline parallel over gloo on the CPU: two tensor-parallel ranks, two pipeline
+stages, and two stages of two ranks give transformers' greedy tokens and log-probabilities (within
+1e-4) for each sharded family, a model with fewer KV heads than ranks and one whose heads split
+unevenly; the bundled model's greedy tokens equal one rank's; a rank killed mid-run costs no
+request; what is not sharded is a clear start-up error."""
 import argparse
 import os
 import signal
@@ -25,7 +26,8 @@ EXTRA = {"llama_one_kv_head": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**dict(
 
 def _engine(path, **kw):
     return Engine(EngineConfig(model=str(path), tensor_parallel_size=kw.pop("tp", 2), block_size=4,
-                               num_kv_blocks=200, prefill_chunk_size=8, **kw), log_level="warning")
+                               pipeline_parallel_size=kw.pop("pp", 1), num_kv_blocks=200, prefill_chunk_size=8, **kw),
+                  log_level="warning")
 
 
 def _tiny(name, tmp_path):
@@ -41,11 +43,14 @@ def _tiny(name, tmp_path):
     return model
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3_moe", "gemma3", "phi3", "glm4_moe", "llama_one_kv_head",
-                                  "llama_uneven"])
-def test_two_ranks_match_transformers(name, tmp_path):
+@pytest.mark.parametrize("name,tp,pp", [(n, 2, 1) for n in ("llama", "qwen3_moe", "gemma3", "phi3", "glm4_moe",
+                                                            "llama_one_kv_head", "llama_uneven")]
+                         + [("llama", 1, 2), ("qwen3_moe", 1, 2), ("phi3", 1, 2), ("glm4_moe", 1, 2),
+                            ("gemma3", 2, 2), ("llama_one_kv_head", 2, 2)])
+def test_ranks_match_transformers(name, tp, pp, tmp_path):
+    """PROMPTS' 4 sequences go through two stages in two microbatches."""
     ref = _tiny(name, tmp_path)
-    e = _engine(tmp_path)
+    e = _engine(tmp_path, tp=tp, pp=pp)
     try:
         outs = e.generate(PROMPTS, PARAMS)
     finally:
@@ -60,11 +65,12 @@ def test_two_ranks_match_transformers(name, tmp_path):
         assert (got - want).abs().max() < 1e-4, name
 
 
-def test_a_killed_rank_restarts_the_group(tmp_path):
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_a_killed_rank_restarts_the_group(tp, pp, tmp_path):
     _tiny("llama", tmp_path)
     ref = _engine(tmp_path, tp=1)
     want = [o.token_ids for o in ref.generate(PROMPTS, PARAMS)]
-    e = _engine(tmp_path)
+    e = _engine(tmp_path, tp=tp, pp=pp)
     try:
         ids = [e.add_request(p, PARAMS)[0] for p in PROMPTS]
         toks, steps = {}, 0
@@ -89,6 +95,8 @@ def test_what_is_not_sharded_is_a_clear_error(tmp_path):
         _engine(tmp_path / "llama", num_speculative_tokens=2)
     with pytest.raises(ModelLoadError, match="fewer than the ranks"):  # 2 KV heads on 3 ranks
         _engine(tmp_path / "llama", tp=3)
+    with pytest.raises(ModelLoadError, match="do not make 9 stages"):
+        _engine(tmp_path / "llama", tp=1, pp=9)
 
 
 def test_cli_flags():
@@ -98,18 +106,31 @@ def test_cli_flags():
     assert engine_config(p.parse_args(["--tensor-parallel-size", "4"])).tensor_parallel_size == 4
     with pytest.raises(ValueError, match="tensor-parallel-size"):
         EngineConfig(tensor_parallel_size=0)
+    c = engine_config(p.parse_args(["-pp", "2", "--cpu-ranks-bind", "0|1"]))
+    assert (c.pipeline_parallel_size, c.cpu_ranks_bind) == (2, "0|1")
+    assert engine_config(p.parse_args(["--d", "0,1"])).tensor_parallel_size == 2  # xInfer's spelling
+    for bad, why in [(dict(pipeline_parallel_size=0), "pipeline-parallel-size"),
+                     (dict(tensor_parallel_size=2, cpu_ranks_bind="0-1"), "1 entries for 2 ranks"),
+                     (dict(tensor_parallel_size=2, cpu_ranks_bind="0|x"), "not a list of cores"),
+                     (dict(tensor_parallel_size=3, nnodes=2), "must divide"),
+                     (dict(tensor_parallel_size=2, nnodes=2, master_addr="10.0.0.1"), "--cluster-key"),
+                     (dict(devices="0,a"), "CUDA device numbers")]:
+        with pytest.raises(ValueError, match=why):
+            EngineConfig(**bad)
 
 
 @pytest.mark.slow
 def test_bundled_model_two_ranks_equal_one(smollm_path):
-    """SmolLM2-135M: 9 query heads in 3 KV groups split 6 / 3, its Q4_1 blocks split with them."""
+    """SmolLM2-135M: 9 query heads in 3 KV groups split 6 / 3, its Q4_1 blocks split with them; and
+    its 30 layers in two stages of 15."""
     prompts = [[1, 504, 3458, 282, 4649, 314], list(range(100, 160))]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     outs = []
-    for tp in (1, 2):
-        e = Engine(EngineConfig(model=smollm_path, tensor_parallel_size=tp), worker="process", log_level="warning")
+    for tp, pp in ((1, 1), (2, 1), (1, 2)):
+        e = Engine(EngineConfig(model=smollm_path, tensor_parallel_size=tp, pipeline_parallel_size=pp),
+                   worker="process", log_level="warning")
         try:
             outs.append([o.token_ids for o in e.generate(prompts, params)])
         finally:
             e.close()
-    assert outs[0] == outs[1]
+    assert outs[0] == outs[1] == outs[2]

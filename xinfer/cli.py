@@ -19,7 +19,8 @@ from xinfer.parsers.reasoning import REASONING_PARSERS
 from xinfer.process import setup_logging
 
 
-ALIASES = {"model": ["--m"], "kvcache_dtype": ["--kv-cache-dtype"], "tensor_parallel_size": ["-tp"]}  # short, and vLLM's spelling
+ALIASES = {"model": ["--m"], "kvcache_dtype": ["--kv-cache-dtype"], "tensor_parallel_size": ["-tp"],  # short, and vLLM's
+           "pipeline_parallel_size": ["-pp"], "devices": ["--d"]}  # spelling; --d: xInfer's
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

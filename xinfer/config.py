@@ -10,6 +10,20 @@ ISQ_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q6_k")  # xinfer/loader/isq.py F
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2", "turbo8", "turbo4", "turbo3")
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def parse_cores(spec: str) -> list[int]:
+    """"0-3,8" -> [0, 1, 2, 3, 8]; ValueError naming what does not parse."""
+    out = []
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):
+            raise ValueError(f"--cpu-ranks-bind: {spec!r} is not a list of cores like 0-3,8")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # folder, .gguf, HF cache id; None: the bundled SmolLM2-135M-Instruct
@@ -50,6 +64,20 @@ class EngineConfig:
     # Tensor parallel (xinfer/parallel.py): worker processes (ranks) that each hold 1/N of every layer;
     # on a CPU each takes an even share of the cores, over gloo.
     tensor_parallel_size: int = 1
+    # Pipeline parallel: the layers split in this many stages of tensor_parallel_size ranks each; a
+    # step's sequences go through them in microbatches so the stages overlap.
+    pipeline_parallel_size: int = 1
+    devices: str | None = None  # CUDA devices of this node's ranks, "0,1" (xInfer's --d); None: 0, 1, ...
+    cpu_ranks_bind: str | None = None  # this node's ranks' cores, "0-3|4-7"; None: an even share each
+    # Several nodes (torch.distributed's TCP rendezvous at master_addr:master_port): node 0 runs the
+    # API, the scheduler and world rank 0; the others run `xinfer serve --headless`, whose workers get
+    # the step plans from node 0 over TCP (master_port + 1), signed with cluster_key.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    cluster_key: str | None = None
+    startup_timeout: float = 600.0  # seconds for every rank (on every node) to load and join
     seed: int = 0
     max_restarts: int = 5  # child restarts (worker by recompute, detokenizer/parser) allowed ...
     restart_window: float = 300.0  # ... within this many seconds, before the engine gives up
@@ -118,9 +146,47 @@ class EngineConfig:
             raise ValueError(f"--ngram-min / --ngram-max need 1 <= min <= max, got {self.ngram_min} / {self.ngram_max}")
         if self.speculative_disable_by_batch_size < 0:
             raise ValueError(f"--speculative-disable-by-batch-size must be >= 0, got {self.speculative_disable_by_batch_size}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        self._check_parallel()
         self.read_chat_template()  # an unreadable file stops the start here, not in a child process
+
+    def _check_parallel(self):
+        if self.devices is not None:
+            ids = self.device_ids()
+            if self.tensor_parallel_size == 1 and self.pipeline_parallel_size == 1:
+                self.tensor_parallel_size = len(ids) * self.nnodes  # --d 0,1 alone: one rank a device
+        for flag in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
+            if getattr(self, flag) < 1:
+                raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(self, flag)}")
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        if world % self.nnodes:
+            raise ValueError(f"--nnodes {self.nnodes} must divide the {world} ranks (tensor x pipeline parallel)")
+        local = world // self.nnodes
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in 0..{self.nnodes - 1}, got {self.node_rank}")
+        if self.devices is not None and len(self.device_ids()) != local:
+            raise ValueError(f"--d {self.devices} names {len(self.device_ids())} devices for {local} ranks a node")
+        if self.cpu_ranks_bind is not None:
+            parts = self.cpu_ranks_bind.split("|")
+            if len(parts) != local:
+                raise ValueError(f"--cpu-ranks-bind {self.cpu_ranks_bind!r} has {len(parts)} entries for {local} ranks")
+            for part in parts:
+                parse_cores(part)
+        if not 0 < self.master_port < 65535:
+            raise ValueError(f"--master-port must be a TCP port below 65535, got {self.master_port}")
+        if self.nnodes > 1 and not self.cluster_key and self.master_addr not in LOOPBACK:
+            raise ValueError(f"--nnodes {self.nnodes} on {self.master_addr}: the step plans go over the network; "
+                             "give every node the same --cluster-key (a shared secret) to sign them")
+        if self.startup_timeout <= 0:
+            raise ValueError(f"--startup-timeout must be > 0, got {self.startup_timeout}")
+
+    def device_ids(self) -> list[int]:
+        try:
+            ids = [int(d) for d in str(self.devices).split(",")]
+        except ValueError:
+            raise ValueError(f"--d must list CUDA device numbers like 0,1, got {self.devices!r}") from None
+        if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
+            raise ValueError(f"--d must list distinct CUDA device numbers like 0,1, got {self.devices!r}")
+        return ids
 
     def _check_isq(self):
         if self.isq is None:

@@ -57,7 +57,7 @@ class Engine:
         self.tokenizer = info.tokenizer
         self.vision = processor_for(info.config, info.tokenizer)  # a vision model's image processor, else None
         self.vocab_size = info.config["vocab_size"]
-        if worker == "process" or config.tensor_parallel_size > 1:  # one process per rank
+        if worker == "process" or config.tensor_parallel_size * config.pipeline_parallel_size > 1:  # a process a rank
             topology = Topology.create()
             self._rundir = topology.rundir
             runner = ProcessRunner(config, topology, log_level)

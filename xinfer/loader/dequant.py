@@ -270,9 +270,11 @@ def blocks_of(scheme: QuantScheme, p: dict) -> QuantWeight | None:
     return convert(scheme, p, True)[1]
 
 
-def iter_dequantized(folder: str, scheme: QuantScheme, dtype: torch.dtype, blocks: list | None = None):
+def iter_dequantized(folder: str, scheme: QuantScheme, dtype: torch.dtype, blocks: list | None = None,
+                     keep=None):
     """(name, tensor) as iter_safetensors yields them, each quantized linear as a float `.weight`;
-    `blocks` (a list) also collects (name, QuantWeight) of those the block kernels read in place."""
+    `blocks` (a list) also collects (name, QuantWeight) of those the block kernels read in place;
+    `keep(name)`: only those (a pipeline stage's)."""
     shards = _Shards(folder)
     names, required = FORMATS[scheme.method]
     key = "." + names[0]
@@ -280,6 +282,8 @@ def iter_dequantized(folder: str, scheme: QuantScheme, dtype: torch.dtype, block
     skip = {f"{p}.{c}" for p in prefixes for c in names}
     stored = dense = 0
     for name in shards.where:
+        if keep is not None and not keep(name):
+            continue
         if name.endswith(key):
             prefix = name[:-len(key)]
             parts = {c: shards.opt(f"{prefix}.{c}") for c in names}

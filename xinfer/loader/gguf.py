@@ -64,10 +64,10 @@ class GGUFModel:
     def tensor_names(self) -> set[str]:
         return {t.name for t in self._reader.tensors}
 
-    def quantized_blocks(self) -> Iterator[tuple[str, str, np.ndarray, tuple[int, int]]]:
+    def quantized_blocks(self, keep=None) -> Iterator[tuple[str, str, np.ndarray, tuple[int, int]]]:
         """(checkpoint name, GGUF type, raw blocks [rows, bytes], (rows, cols)) of every matrix in a
         block type the CPU kernels read, rows in the order `tensors()` gives them."""
-        for name, t in self._named_tensors():
+        for name, t in self._named_tensors(keep):
             if t.tensor_type.name not in BLOCK_TYPES:
                 continue
             if not isinstance(name, str) and len(t.shape) == 3:  # an expert stack: its experts' rows one after another
@@ -205,8 +205,14 @@ class GGUFModel:
 
     # ---- tensors
 
-    def _named_tensors(self):
-        """(checkpoint name, GGUF tensor) of every tensor a model loads; expert stacks named by block."""
+    def _named_tensors(self, keep=None):
+        """(checkpoint name, GGUF tensor) of every tensor a model loads; expert stacks named by block.
+        `keep(name)`: only those (a pipeline stage's), the others not read."""
+        if keep is not None:
+            for name, t in self._named_tensors():
+                if keep(name if isinstance(name, str) else f"model.layers.{name[1]}.mlp.experts"):
+                    yield name, t
+            return
         block_names = ARCH_BLOCK_TENSORS.get(self.arch, BLOCK_TENSORS)
         for t in self._reader.tensors:
             m = _BLOCK_RE.fullmatch(t.name)
@@ -221,10 +227,10 @@ class GGUFModel:
             else:
                 log.debug("%s: skipping tensor %s", self.path, t.name)
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, keep=None) -> Iterator[tuple[str, torch.Tensor]]:
         import torch  # only the model worker reads tensors; the tokenizer side stays torch-free
 
-        for name, t in self._named_tensors():
+        for name, t in self._named_tensors(keep):
             if not isinstance(name, str):  # an expert stack: one tensor per expert
                 m = name
                 shape = (int(t.shape[1]), int(t.shape[0]))

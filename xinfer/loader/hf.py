@@ -111,14 +111,16 @@ def safetensors_files(folder: str) -> list[Path]:
     return files
 
 
-def iter_safetensors(folder: str):
-    """Yield (name, tensor) from every shard, memory-mapped, one tensor at a time."""
+def iter_safetensors(folder: str, keep=None):
+    """Yield (name, tensor) from every shard, memory-mapped, one tensor at a time; `keep(name)`:
+    only those (a pipeline stage's), the others not read."""
     from safetensors import safe_open
 
     for path in safetensors_files(folder):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    if keep is None or keep(name):
+                        yield name, f.get_tensor(name)
         except Exception as e:  # the reader raises several types for a bad header or truncated data
             raise ModelLoadError(f"corrupt safetensors file {path}: {e}") from None

@@ -29,12 +29,13 @@ def build_model(info: ModelInfo, dtype: torch.dtype, device: torch.device, block
     if info.kind == "dummy":
         _random_init(model)
     else:
+        keep = getattr(model, "keeps", None)  # pipeline parallel: this stage's tensors only
         if info.kind == "gguf":
-            weights = info.gguf.tensors()
+            weights = info.gguf.tensors(keep)
         elif info.quant is not None:
-            weights = iter_dequantized(info.path, info.quant, dtype, blocks)
+            weights = iter_dequantized(info.path, info.quant, dtype, blocks, keep)
         else:
-            weights = hf.iter_safetensors(info.path)
+            weights = hf.iter_safetensors(info.path, keep)
         try:
             model.load_weights(_progress(weights, info.path))
         except (KeyError, ValueError) as e:

@@ -225,7 +225,7 @@ def attach_blocks(model: nn.Module, blocks, remap=None) -> int:
             stacks.setdefault(module, {})[part.removesuffix("_stack")] = q
             continue
         pname, shard = _target(name, remap)
-        if pname == model.head_param_name():
+        if pname == model.head_param_name() and tp.last_stage():
             head = q
         elif pname in linears:
             lin = linears[pname]
@@ -272,6 +272,8 @@ def attach_bf16(model: nn.Module) -> int:
                 mod.weight.data = torch.empty(0, dtype=mod.weight.dtype)
                 mod.blocks.bf16 = True
             n += 1
+    if not tp.last_stage():  # pipeline parallel: the head is on the last stage
+        return n
     head = model.model.embed_tokens.weight if model.tied else model.lm_head.weight
     model.head_fast = head.data.to(torch.bfloat16)
     if getattr(model, "head_blocks", None) is not None:

@@ -1,6 +1,8 @@
 """Llama (and SmolLM2): the base decoder that the other families specialise."""
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -13,6 +15,9 @@ from ops.rotary import RotaryEmbedding
 from xinfer import parallel as tp
 from xinfer.models.layers import Attention, Embedding, GatedMLP, Linear, load_weights
 from xinfer.models.registry import register
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def rope_params(cfg: dict, layer_type: str | None = None) -> tuple[float, dict | None]:
@@ -68,12 +73,22 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+class Elsewhere(nn.Module):
+    """A layer another pipeline stage holds: no weights here."""
+
+
 class Model(nn.Module):
     def __init__(self, lm: "LlamaForCausalLM", cfg: dict):
         super().__init__()
-        self.embed_tokens = Embedding(cfg["vocab_size"], cfg["hidden_size"])
-        self.layers = nn.ModuleList(lm.layer_cls(lm, cfg, i) for i in range(cfg["num_hidden_layers"]))
-        self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"], lm.norm_offset)
+        # pipeline parallel: this stage's layers; the embedding on the first stage (and the last when
+        # the head is tied to it), the norm on the last
+        lo, hi = lm.layers_here
+        tied = cfg.get("tie_word_embeddings", False)
+        self.embed_tokens = Embedding(cfg["vocab_size"], cfg["hidden_size"]) \
+            if tp.first_stage() or (tied and tp.last_stage()) else None
+        self.layers = nn.ModuleList(lm.layer_cls(lm, cfg, i) if lo <= i < hi else Elsewhere()
+                                    for i in range(cfg["num_hidden_layers"]))
+        self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"], lm.norm_offset) if tp.last_stage() else None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -89,13 +104,15 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         self._rotary = {}
+        self.layers_here = tp.layer_range(cfg["num_hidden_layers"])
+        self.dtype = torch.get_default_dtype()  # built under the model's dtype (loader/weights.py)
         self.model = Model(self, cfg)
         self.tied = bool(cfg.get("tie_word_embeddings", False))
         self.head_blocks = None  # the head's QuantWeight (layers.attach_blocks)
         self.head_fast = None  # the head in bfloat16 (layers.attach_bf16)
         self._cpu_decoder = None  # built at the first decode step that can use it; False: none fits
         self._head_part = None  # tensor parallel: this rank's rows of head_blocks and head_fast
-        if not self.tied:
+        if not self.tied and tp.last_stage():
             self.lm_head = Linear(cfg["hidden_size"], [cfg["vocab_size"]])
 
     # ---- hooks the families override ----
@@ -128,7 +145,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     # ---- the forward pass ----
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        if tp.stages() > 1:
+            return self._stage_forward(input_ids, positions)
         meta, backend = context()
         if (meta is not None and input_ids.shape[0] <= max_rows(self.head_fast is not None) and meta.row_decode() is not None
                 and backend.name == "torch" and input_ids.device.type == "cpu"):
@@ -140,6 +159,21 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(positions, x, residual)
         return self.model.norm.add_forward(x, residual)[0]
 
+    def _stage_forward(self, input_ids, positions):
+        """Pipeline parallel: this stage's layers over the previous stage's output (the embedding on
+        the first); the last stage returns the final hidden states, the others None."""
+        if tp.first_stage():
+            x, residual = self.embed(input_ids), None
+        else:
+            x, residual = tp.recv_prev(input_ids.shape[0], self.cfg["hidden_size"], self.dtype, input_ids.device)
+        lo, hi = self.layers_here
+        for layer in self.model.layers[lo:hi]:
+            x, residual = layer(positions, x, residual)
+        if not tp.last_stage():
+            tp.send_next(x, residual)
+            return None
+        return self.model.norm.add_forward(x, residual)[0]
+
     def cpu_decoder(self) -> "cpu_decode.CpuDecoder | None":
         """The one-call C decode step (ops/cpu_decode.py) where every layer fits it: this class's
         layer with SwiGLU, GGUF blocks on every linear and a KV cache the C step reads and writes
@@ -148,7 +182,7 @@ class LlamaForCausalLM(nn.Module):
         dec = self._cpu_decoder
         if dec and all(k is ly.self_attn.k_cache for (k, _), ly in zip(dec.caches, layers)):
             return dec
-        if dec is False or not cpu_decode.ENABLED or not cpu_decode.lib() or tp.size() > 1:  # no all-reduce in C
+        if dec is False or not cpu_decode.ENABLED or not cpu_decode.lib() or tp.world_size() > 1:  # no collectives in C
             return None
         parts = [self._decode_layer(ly) for ly in layers]
         norms = [] if None in parts else [
@@ -199,7 +233,19 @@ class LlamaForCausalLM(nn.Module):
         return "model.embed_tokens.weight" if self.tied else "lm_head.weight"
 
     def attention_layers(self):
-        return [layer.self_attn for layer in self.model.layers]
+        return [layer.self_attn for layer in self.model.layers if not isinstance(layer, Elsewhere)]
+
+    def keeps(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` (HF naming) belongs on this pipeline stage: the loaders
+        skip the others' without reading them."""
+        if tp.stages() == 1:
+            return True
+        m = _LAYER.match(name)
+        if m:
+            return self.layers_here[0] <= int(m.group(1)) < self.layers_here[1]
+        if name.startswith("model.embed_tokens."):
+            return self.model.embed_tokens is not None
+        return tp.last_stage()  # the final norm, the head
 
     def remap(self, name: str):
         """Model-specific checkpoint names; None falls back to the generic mapping."""
@@ -207,8 +253,8 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights) -> None:
         skip_head = self.tied
-        loaded = load_weights(self, ((n, t) for n, t in weights if not (skip_head and n.startswith("lm_head."))),
-                              self.remap)
+        loaded = load_weights(self, ((n, t) for n, t in weights
+                                     if not (skip_head and n.startswith("lm_head.")) and self.keeps(n)), self.remap)
         missing = [n for n, _ in self.named_parameters() if n not in loaded]
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")

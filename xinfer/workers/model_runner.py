@@ -114,7 +114,7 @@ class ModelRunner:
         ckpt_blocks = [] if kernels and info.quant is not None and not self.config.isq else None
         model = build_model(dataclasses.replace(info, config=cfg), self.dtype, self.device, ckpt_blocks)
         if kernels and info.kind == "gguf" and info.gguf.quantized:
-            n = attach_blocks(model, ((name, QuantWeight.from_gguf(*b)) for name, *b in info.gguf.quantized_blocks()),
+            n = attach_blocks(model, ((name, QuantWeight.from_gguf(*b)) for name, *b in info.gguf.quantized_blocks(getattr(model, "keeps", None))),
                               model.remap)
             log.info("GGUF blocks kept for %d weights (batches of up to %d rows read them)", n,
                      max_rows(self.config.cpu_matmul == "bfloat16"))
@@ -195,7 +195,7 @@ class ModelRunner:
         try:
             return self._execute(plan)
         except Exception as e:
-            if tp.size() > 1:  # the other ranks may wait in a collective: the whole group restarts
+            if tp.world_size() > 1:  # the other ranks may wait in a collective: the whole group restarts
                 raise
             log.warning("step %d failed: %s: %s", plan.step_id, type(e).__name__, e)
             log.debug("step failure", exc_info=True)
@@ -232,20 +232,24 @@ class ModelRunner:
                 sample_seqs.append(s.seq_id)
         mm = {} if self.vision is None else {"mm": self.vision.inputs([self.seqs[s.seq_id] for s in plan.scheduled],
                                                                       rows)}
-        hidden = forward(self.model, self.backend, self.device, self.block_size, rows,
-                         [self.seqs[s.seq_id].state_slot for s in plan.scheduled],
-                         hybrid.row_snapshots(plan, self.seqs), **mm)
+        if tp.stages() > 1:
+            hidden = self._pipelined(rows)
+        else:
+            hidden = forward(self.model, self.backend, self.device, self.block_size, rows,
+                             [self.seqs[s.seq_id].state_slot for s in plan.scheduled],
+                             hybrid.row_snapshots(plan, self.seqs), **mm)
         for s in plan.scheduled:
             self.seqs[s.seq_id].num_computed += s.num_tokens
-        prompt_lps = self._prompt_logprobs(hidden, scored) if scored else []
-        embeddings = self._pool(hidden, pooled) if pooled else []
+        last = tp.last_stage()  # pipeline parallel: only the last stage has the final hidden states
+        prompt_lps = self._prompt_logprobs(hidden, scored) if scored and last else []
+        embeddings = self._pool(hidden, pooled) if pooled and last else []
         if not sample_seqs:
             self._after_step(plan, hidden, first_row, {})
             return StepResult(plan.step_id, [], b"", [], prompt_lps, embeddings=embeddings)
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        new, lps = self._sample(plan, logits, sample_seqs, drafts, q) if tp.rank() == 0 else ({}, {})
-        if tp.size() > 1:  # rank 0 sampled: every rank's batch takes its tokens (one each: no drafts here)
-            toks = tp.broadcast_tokens([new[sid][0] for sid in sample_seqs] if tp.rank() == 0 else [], len(sample_seqs))
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)]) if last else None
+        new, lps = self._sample(plan, logits, sample_seqs, drafts, q) if tp.world_rank() == 0 else ({}, {})
+        if tp.world_size() > 1:  # rank 0 sampled: every rank's batch takes its tokens (one each: no drafts here)
+            toks = tp.broadcast_tokens([new[sid][0] for sid in sample_seqs] if tp.world_rank() == 0 else [], len(sample_seqs))
             new = {sid: [t] for sid, t in zip(sample_seqs, toks)}
         for sid in sample_seqs:
             ws, toks = self.seqs[sid], new[sid]
@@ -259,6 +263,20 @@ class ModelRunner:
         per_token = [e for sid in sample_seqs for e in lps.get(sid, [None] * len(new[sid]))] if lps else []
         return StepResult(plan.step_id, sample_seqs, pack_ids(flat), per_token, prompt_lps, embeddings=embeddings,
                           counts=[len(new[sid]) for sid in sample_seqs] if drafts else [])
+
+    def _pipelined(self, rows):
+        """Pipeline parallel: the step's sequences in up to --pipeline-parallel-size microbatches of
+        about equal tokens, each through this stage's layers in turn, so that while the next stage
+        works on one this stage works on the next. The last stage's hidden states, else None."""
+        total, parts, acc = sum(len(r[2]) for r in rows), [[]], 0
+        for r in rows:
+            if parts[-1] and acc >= total * len(parts) / tp.stages():
+                parts.append([])
+            parts[-1].append(r)
+            acc += len(r[2])
+        out = [forward(self.model, self.backend, self.device, self.block_size, part) for part in parts]
+        tp.wait_sends()
+        return torch.cat(out) if tp.last_stage() else None
 
     def _after_step(self, plan, hidden, first_row, accepted):
         """Hand the MTP drafter the hidden states of the positions the target kept: each sequence's

@@ -44,9 +44,10 @@ def run_worker(config: EngineConfig, num_blocks: int | None, plan_ring: str, res
 
 
 def _worker_main(config, num_blocks, plan_ring, result_ring, plan_side, result_side, rank, store) -> None:
-    """Rank `rank` of --tensor-parallel-size workers: each reads every plan; rank 0 answers."""
+    """World rank `rank` of the tensor x pipeline parallel workers: each reads every plan; rank 0
+    answers."""
     plans = RingReader(plan_ring, rank, plan_side)  # the rings watch the scheduler's liveness too
-    tp.init(rank, config.tensor_parallel_size, store, torch.device(config.device))
+    tp.init(rank, config, store, torch.device(config.device))
     results = RingWriter(result_ring, [result_side]) if rank == 0 else None
     runner = ModelRunner(config, load_model_info(config.model, config.load_format), num_blocks)
     enc = msgspec.msgpack.Encoder()
@@ -112,13 +113,13 @@ class ProcessRunner:
     def _start(self) -> None:
         self.generation += 1
         g = self.generation
-        t, n = self.topology, self.config.tensor_parallel_size
+        t, n = self.topology, self.config.tensor_parallel_size * self.config.pipeline_parallel_size
         self._shms = [create_ring(n, 8, PLAN_SLOT, name=t.ring("plan", g)),
                       create_ring(1, 8, RESULT_SLOT, name=t.ring("result", g))]
         plan_sides, result_side = [t.plan_side(g, r) for r in range(n)], t.result_side(g)
         self.plans = RingWriter(self._shms[0].name, plan_sides)
         self.results = RingReader(self._shms[1].name, 0, result_side)
-        store = t.tp_store(g) if n > 1 else ""  # the ranks' rendezvous
+        store = f"file://{t.tp_store(g)}" if n > 1 else ""  # the ranks' rendezvous
         self.procs = [_worker_context().Process(
             target=run_worker, name=f"xinfer::worker-{r}", daemon=True,
             args=(self.config, self.num_blocks, self._shms[0].name, self._shms[1].name, plan_sides[r], result_side,
