@@ -74,8 +74,11 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    if not args.startup_timeout > 0:
-        raise ValueError(f"--startup-timeout must be > 0 seconds, got {args.startup_timeout}")
+    if args.headless:
+        from xinfer.workers.headless import serve_headless
+        if args.tensor_parallel_size * args.pipeline_parallel_size == 1:
+            args.tensor_parallel_size = args.nnodes  # a placeholder: the sizes come from node 0
+        return serve_headless(engine_config(args), args.log_level)
     if args.enforce_parser is not None:
         try:
             args.enforce_parser = get_tool_parser(args.enforce_parser).name  # vLLM's names are taken too
@@ -233,8 +236,9 @@ def main(argv=None) -> int:
                    help="--embedding-model's pooling: mean over the tokens, or the [CLS] token")
     s.add_argument("--ui-server", action="store_true",
                    help="also serve the web chat page on port + 1 (the API port serves it at / too)")
-    s.add_argument("--startup-timeout", type=float, default=600.0,
-                   help="seconds every process may take to start (loading a big model takes a while)")
+    s.add_argument("--headless", action="store_true",
+                   help="a node other than node 0 (--nnodes, --node-rank): run this node's model ranks only, with "
+                        "the step plans node 0 sends (no API, no scheduler)")
     s.set_defaults(func=cmd_serve)
 
     c = sub.add_parser("chat", help="chat in the terminal (engine in this process, or --url of a server)")
@@ -245,7 +249,8 @@ def main(argv=None) -> int:
     c.set_defaults(func=cmd_chat)
 
     args = parser.parse_args(argv)
-    setup_logging(args.log_level, "xinfer::launch" if args.command == "serve" else "xinfer")
+    name = "xinfer" if args.command != "serve" else f"xinfer::node-{args.node_rank}" if args.headless else "xinfer::launch"
+    setup_logging(args.log_level, name)
     try:
         return args.func(args)
     except (XinferError, ValueError, FileNotFoundError) as e:

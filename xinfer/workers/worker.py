@@ -18,6 +18,7 @@ import torch
 from xinfer import parallel as tp
 from xinfer import process
 from xinfer.config import EngineConfig
+from xinfer.ipc import cluster
 from xinfer.ipc.channels import Codec
 from xinfer.ipc.shm_ring import PeerDied, RingClosed, RingReader, RingWriter, create_ring
 from xinfer.ipc.step import StepPlan, StepResult
@@ -38,15 +39,15 @@ class WorkerReady(msgspec.Struct, array_like=True, tag="ready"):
 
 
 def run_worker(config: EngineConfig, num_blocks: int | None, plan_ring: str, result_ring: str, plan_side: str,
-               result_side: str, rank: int, log_level: str, store: str = "") -> None:
+               result_side: str, rank: int, reader: int, log_level: str, store: str = "") -> None:
     process.run_process(f"xinfer::worker-{rank}", log_level, _worker_main, config, num_blocks, plan_ring,
-                        result_ring, plan_side, result_side, rank, store, parent=os.getppid())
+                        result_ring, plan_side, result_side, rank, reader, store, parent=os.getppid())
 
 
-def _worker_main(config, num_blocks, plan_ring, result_ring, plan_side, result_side, rank, store) -> None:
-    """World rank `rank` of the tensor x pipeline parallel workers: each reads every plan; rank 0
-    answers."""
-    plans = RingReader(plan_ring, rank, plan_side)  # the rings watch the scheduler's liveness too
+def _worker_main(config, num_blocks, plan_ring, result_ring, plan_side, result_side, rank, reader, store) -> None:
+    """World rank `rank` of the tensor x pipeline parallel workers, reader `reader` of its node's
+    plan ring: each reads every plan; rank 0 answers."""
+    plans = RingReader(plan_ring, reader, plan_side)  # the rings watch the scheduler's liveness too
     tp.init(rank, config, store, torch.device(config.device))
     results = RingWriter(result_ring, [result_side]) if rank == 0 else None
     runner = ModelRunner(config, load_model_info(config.model, config.load_format), num_blocks)
@@ -93,46 +94,114 @@ def _worker_context():
     return ctx
 
 
-class ProcessRunner:
-    """The Runner (xinfer/workers/runner.py) whose ModelRunner lives in a worker process."""
+class Ranks:
+    """One generation of this node's worker ranks: a plan ring they all read, and the processes.
+    Node 0's also have the result ring that rank 0 answers on (ProcessRunner); a headless node's
+    have none (xinfer/workers/headless.py)."""
 
-    def __init__(self, config: EngineConfig, topology: Topology, log_level: str = "info",
-                 startup_timeout: float = 600.0):
+    def __init__(self, config: EngineConfig, topology: Topology, gen: int, num_blocks: int | None, log_level: str,
+                 results: bool):
+        t = self.topology = topology
+        world = config.tensor_parallel_size * config.pipeline_parallel_size
+        n = world // config.nnodes
+        first = config.node_rank * n  # this node's world ranks: first .. first + n - 1
+        self.shms = [create_ring(n, 8, PLAN_SLOT, name=t.ring("plan", gen))]
+        if results:
+            self.shms.append(create_ring(1, 8, RESULT_SLOT, name=t.ring("result", gen)))
+        plan_sides, result_side = [t.plan_side(gen, r) for r in range(n)], t.result_side(gen) if results else ""
+        self.plans = RingWriter(self.shms[0].name, plan_sides)
+        self.results = RingReader(self.shms[1].name, 0, result_side) if results else None
+        # the ranks' rendezvous: a file on one node; across nodes, the TCP store rank 0 hosts
+        store = "" if world == 1 else f"file://{t.tp_store(gen)}" if config.nnodes == 1 else \
+            f"tcp://{config.master_addr}:{config.master_port}"
+        self.procs = [_worker_context().Process(
+            target=run_worker, name=f"xinfer::worker-{first + r}", daemon=True,
+            args=(config, num_blocks, self.shms[0].name, self.shms[1].name if results else "", plan_sides[r],
+                  result_side, first + r, r, log_level, store)) for r in range(n)]
+        for p in self.procs:
+            p.start()
+
+    def dead(self) -> str | None:
+        for r, p in enumerate(self.procs):
+            if not p.is_alive():
+                return f"exit code {p.exitcode}" + (f" of {p.name.removeprefix('xinfer::')}" if r or len(self.procs) > 1 else "")
+        return None
+
+    def kill(self) -> None:
+        for p in self.procs:
+            p.kill()  # still starting: nothing to finish gracefully
+            p.join(5)
+
+    def close(self) -> None:
+        if not self.shms:
+            return  # already done (a restart whose start failed)
+        if any(p.is_alive() for p in self.procs):
+            self.plans.shutdown()
+            for p in self.procs:  # a rank waiting in a collective for a dead one never sees the shutdown
+                p.join(5 if len(self.procs) == 1 or all(q.is_alive() for q in self.procs) else 0.5)
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        for ring in (self.plans, self.results):
+            if ring is None:
+                continue
+            for s in ring.side if isinstance(ring.side, list) else [ring.side]:
+                if s is not None:
+                    s.close()
+            ring.close()
+        for shm in self.shms:
+            shm.close()
+            try:
+                shm.unlink()
+            except FileNotFoundError:
+                pass
+        self.shms = []
+
+
+class ProcessRunner:
+    """The Runner (xinfer/workers/runner.py) whose ModelRunner lives in worker processes: one per
+    rank on this node, and with --nnodes, the headless nodes' ranks, which get each generation's
+    start and plans from the cluster.Publisher."""
+
+    def __init__(self, config: EngineConfig, topology: Topology, log_level: str = "info"):
         self.config, self.topology = config, topology
         self.num_blocks = config.num_kv_blocks  # None until the first worker has sized the cache
-        self.log_level, self.startup_timeout = log_level, startup_timeout
+        self.log_level, self.startup_timeout = log_level, config.startup_timeout
         self.generation = 0
         self.restarts = 0
-        self.procs = []  # one per tensor-parallel rank; rank 0's answers
-        self.proc = None
-        self._shms = []
+        self.ranks: Ranks | None = None
         self._codec = Codec(StepResult | WorkerReady)
         self._enc = msgspec.msgpack.Encoder()
+        self.net = None
+        if config.nnodes > 1:
+            self.net = cluster.Publisher(config.master_addr, config.master_port, config.cluster_key)
+            self._config_json = msgspec.json.encode(config)
         self._start()
+
+    @property
+    def procs(self):
+        return self.ranks.procs if self.ranks else []
+
+    @property
+    def proc(self):
+        return self.procs[0] if self.procs else None
+
+    @property
+    def plans(self):
+        return self.ranks.plans
+
+    @property
+    def results(self):
+        return self.ranks.results
 
     def _start(self) -> None:
         self.generation += 1
         g = self.generation
-        t, n = self.topology, self.config.tensor_parallel_size * self.config.pipeline_parallel_size
-        self._shms = [create_ring(n, 8, PLAN_SLOT, name=t.ring("plan", g)),
-                      create_ring(1, 8, RESULT_SLOT, name=t.ring("result", g))]
-        plan_sides, result_side = [t.plan_side(g, r) for r in range(n)], t.result_side(g)
-        self.plans = RingWriter(self._shms[0].name, plan_sides)
-        self.results = RingReader(self._shms[1].name, 0, result_side)
-        store = f"file://{t.tp_store(g)}" if n > 1 else ""  # the ranks' rendezvous
-        self.procs = [_worker_context().Process(
-            target=run_worker, name=f"xinfer::worker-{r}", daemon=True,
-            args=(self.config, self.num_blocks, self._shms[0].name, self._shms[1].name, plan_sides[r], result_side,
-                  r, self.log_level, store)) for r in range(n)]
-        self.proc = self.procs[0]
-        for p in self.procs:
-            p.start()
+        self.ranks = Ranks(self.config, self.topology, g, self.num_blocks, self.log_level, results=True)
         try:
             msg = self._wait_ready()
         except BaseException:  # also SIGTERM meanwhile: release the rings before unwinding
-            for p in self.procs:
-                p.kill()  # still starting: nothing to finish gracefully
-                p.join(5)
+            self.ranks.kill()
             self._teardown()
             raise
         if not isinstance(msg, WorkerReady):
@@ -143,21 +212,34 @@ class ProcessRunner:
     def _wait_ready(self):
         deadline = time.monotonic() + self.startup_timeout
         while True:
+            if self.net is not None:  # again and again: a node that joins late still hears it
+                self.net.start(self.generation, self._config_json, self.num_blocks)
             try:
-                return self._codec.decode(self.results.read(timeout=0.5))
+                return self._codec.decode(self.ranks.results.read(timeout=0.5))
             except (TimeoutError, PeerDied):
                 why = self.dead()
                 if why:
                     raise WorkerDied(f"the worker exited during start-up ({why}); see its log above") from None
                 if time.monotonic() > deadline:
-                    raise WorkerDied(f"the worker did not start within {self.startup_timeout:.0f}s") from None
+                    c = self.config
+                    nodes = (f"; with --nnodes {c.nnodes}: is `xinfer serve --headless --nnodes {c.nnodes} --node-rank K "
+                             f"--master-addr {c.master_addr} --master-port {c.master_port}` (and the same --cluster-key) "
+                             f"running on each other node, and can it reach {c.master_addr}:{c.master_port}-"
+                             f"{c.master_port + 1}?" if c.nnodes > 1 else "")
+                    raise WorkerDied(f"the worker ranks did not start within --startup-timeout "
+                                     f"{self.startup_timeout:g}s{nodes}") from None
 
     def execute(self, plan: StepPlan) -> StepResult:
+        ranks = self.ranks
         try:
-            self.plans.write(self._enc.encode(plan))
+            frame = self._enc.encode(plan)
+            ranks.plans.write(frame)
+            if self.net is not None:
+                self.net.plan(self.generation, frame)
             while True:  # rank 0 answers; another rank's death would leave it waiting in a collective
                 try:
-                    result = self._codec.decode(self.results.read(timeout=None if len(self.procs) == 1 else 0.5))
+                    single = len(ranks.procs) == 1 and self.net is None
+                    result = self._codec.decode(ranks.results.read(timeout=None if single else 0.5))
                     break
                 except TimeoutError:
                     why = self.dead()
@@ -170,10 +252,7 @@ class ProcessRunner:
         return result
 
     def dead(self) -> str | None:
-        for r, p in enumerate(self.procs):
-            if not p.is_alive():
-                return f"exit code {p.exitcode}" + (f" of rank {r}" if len(self.procs) > 1 else "")
-        return None
+        return self.ranks.dead() if self.ranks else None
 
     def restart(self) -> None:
         self.restarts += 1
@@ -181,27 +260,13 @@ class ProcessRunner:
         self._start()
 
     def _teardown(self) -> None:
-        if not self._shms:
-            return  # already done (a restart whose start failed)
-        if any(p.is_alive() for p in self.procs):
-            self.plans.shutdown()
-            for p in self.procs:  # a rank waiting in a collective for a dead one never sees the shutdown
-                p.join(5 if len(self.procs) == 1 or all(q.is_alive() for q in self.procs) else 0.5)
-                if p.is_alive():
-                    p.kill()
-                    p.join(5)
-        for ring in (self.plans, self.results):
-            for s in ring.side if isinstance(ring.side, list) else [ring.side]:
-                if s is not None:
-                    s.close()
-            ring.close()
-        for shm in self._shms:
-            shm.close()
-            try:
-                shm.unlink()
-            except FileNotFoundError:
-                pass
-        self._shms = []
+        if self.net is not None:
+            self.net.stop(self.generation)
+        if self.ranks is not None:
+            self.ranks.close()
 
     def close(self) -> None:
         self._teardown()
+        if self.net is not None:
+            self.net.close()
+            self.net = None
