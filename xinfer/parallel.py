@@ -171,6 +171,15 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def world_min(n: int, device) -> int:
+    """The smallest of every rank's n (the KV blocks each has room for: their caches must match)."""
+    if world_size() == 1:
+        return n
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+    return int(t.item())
+
+
 def gather_vocab(local: torch.Tensor, n: int) -> torch.Tensor:
     """Each rank's logits [T, count] -> every rank's [T, n]."""
     _, count, per = vocab_part(n)
