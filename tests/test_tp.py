@@ -134,3 +134,32 @@ def test_bundled_model_two_ranks_equal_one(smollm_path):
         finally:
             e.close()
     assert outs[0] == outs[1] == outs[2]
+
+
+def test_lazy_parts_read_what_the_whole_tensor_holds(smollm_path, tmp_path):
+    """A tensor-parallel rank's part of a checkpoint tensor, read alone (loader/lazy.py), equals the
+    same part of the whole tensor: safetensors slices, and GGUF rows and columns (block-aligned
+    columns read as blocks, others dequantized by rows), Q/K rows unpermuted."""
+    from safetensors.torch import save_file
+
+    from xinfer.loader.gguf import load_gguf
+    from xinfer.loader.hf import iter_safetensors
+    from xinfer.loader.lazy import Lazy
+    want = {"w": torch.randn(6, 64), "b": torch.randn(6)}
+    save_file(want, tmp_path / "model.safetensors")
+    for name, t in iter_safetensors(str(tmp_path), lazy=True):
+        assert isinstance(t, Lazy)
+        assert torch.equal(t.narrow(0, 2, 3).tensor(), want[name][2:5])
+        if name == "w":
+            assert torch.equal(t.narrow(1, 16, 32).narrow(0, 1, 2).tensor(), want[name][1:3, 16:48])
+    g = load_gguf(smollm_path)
+    names = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight")
+    whole = {n: t for n, t in g.tensors(keep=lambda n: n in names)}
+    parts = {n: t for n, t in g.tensors(keep=lambda n: n in names, lazy=True)}
+    assert set(whole) == set(parts) == set(names)
+    for n in names:
+        w, lz = whole[n], parts[n]
+        assert tuple(w.shape) == lz.shape
+        assert torch.equal(lz.narrow(0, 64, 128).tensor(), w[64:192])
+        assert torch.equal(lz.narrow(1, 64, 128).tensor(), w[:, 64:192])  # whole blocks
+        assert torch.equal(lz.narrow(1, 5, 70).tensor(), w[:, 5:75])  # cuts blocks

@@ -21,6 +21,7 @@ from xinfer.loader import gguf_hybrid
 from xinfer.loader.gguf_arch import (ARCH_BLOCK_TENSORS, ARCHITECTURES, BLOCK_TENSORS, EXPERT_TENSORS, GLOBAL_TENSORS,
                                      WHOLE_TENSORS, arch_config)
 from xinfer.loader.gguf_file import BLOCK_TYPES, GGUFFile
+from xinfer.loader.lazy import Lazy
 from xinfer.loader.gguf_tokenizer import add_special_tokens, byte_level_tokenizer, sentencepiece_tokenizer
 
 if TYPE_CHECKING:
@@ -227,10 +228,17 @@ class GGUFModel:
             else:
                 log.debug("%s: skipping tensor %s", self.path, t.name)
 
-    def tensors(self, keep=None) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, keep=None, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """`keep(name)`: only those; `lazy`: matrices as loader.lazy.Lazy, dequantized when (and as
+        far as) a loader needs them (a tensor-parallel rank's part)."""
         import torch  # only the model worker reads tensors; the tokenizer side stays torch-free
 
         for name, t in self._named_tensors(keep):
+            if lazy and isinstance(name, str) and len(t.shape) == 2 and self.arch not in gguf_hybrid.HYBRID_ARCHS:
+                part = self._lazy(name, t)
+                if part is not None:
+                    yield name, part
+                    continue
             if not isinstance(name, str):  # an expert stack: one tensor per expert
                 m = name
                 shape = (int(t.shape[1]), int(t.shape[0]))
@@ -244,6 +252,28 @@ class GGUFModel:
             elif self.arch in gguf_hybrid.HYBRID_ARCHS:
                 w = gguf_hybrid.fix_values(self.arch, self.config, t.name, w)
             yield name, torch.from_numpy(w)
+
+    def _lazy(self, name: str, t) -> Lazy | None:
+        import torch
+        from ops.quant import QuantWeight
+
+        shape = (int(t.shape[1]), int(t.shape[0]))
+        kind = t.tensor_type.name
+        if kind in QuantWeight.DIRECT:
+            q = QuantWeight.from_gguf(kind, self._fix_rows(name, np.asarray(t.data).reshape(shape[0], -1)), shape)
+
+            def read(window):
+                rows, cols = window
+                part = q.narrow(0, rows.start, rows.stop - rows.start)
+                try:
+                    return part.narrow(1, cols.start, cols.stop - cols.start).dequantize()
+                except ValueError:  # columns that cut a block: the rows whole, then those columns
+                    return part.dequantize()[:, cols]
+            return Lazy(shape, read)
+        if kind in ("F32", "F16"):
+            data = self._fix_rows(name, np.asarray(t.data).reshape(shape))
+            return Lazy(shape, lambda window: torch.from_numpy(np.array(data[window], dtype=np.float32)))
+        return None
 
     def _dequantize(self, t, data: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
         from ops.quant import QuantWeight

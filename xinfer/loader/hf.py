@@ -7,6 +7,7 @@ from pathlib import Path
 
 from xinfer import envs
 from xinfer.errors import ModelLoadError
+from xinfer.loader.lazy import Lazy
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
@@ -111,16 +112,22 @@ def safetensors_files(folder: str) -> list[Path]:
     return files
 
 
-def iter_safetensors(folder: str, keep=None):
+def iter_safetensors(folder: str, keep=None, lazy: bool = False):
     """Yield (name, tensor) from every shard, memory-mapped, one tensor at a time; `keep(name)`:
-    only those (a pipeline stage's), the others not read."""
+    only those (a pipeline stage's), the others not read; `lazy`: loader.lazy.Lazy tensors, read
+    when (and as far as) a loader needs them (a tensor-parallel rank's part)."""
     from safetensors import safe_open
 
     for path in safetensors_files(folder):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    if keep is None or keep(name):
+                    if keep is not None and not keep(name):
+                        continue
+                    if lazy:
+                        part = f.get_slice(name)
+                        yield name, Lazy(part.get_shape(), part.__getitem__)
+                    else:
                         yield name, f.get_tensor(name)
         except Exception as e:  # the reader raises several types for a bad header or truncated data
             raise ModelLoadError(f"corrupt safetensors file {path}: {e}") from None

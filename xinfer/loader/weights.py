@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from xinfer import parallel as tp
 from xinfer.errors import ModelLoadError
 from xinfer.loader import ModelInfo, hf
 from xinfer.loader.dequant import iter_dequantized
@@ -30,12 +31,13 @@ def build_model(info: ModelInfo, dtype: torch.dtype, device: torch.device, block
         _random_init(model)
     else:
         keep = getattr(model, "keeps", None)  # pipeline parallel: this stage's tensors only
+        lazy = tp.size() > 1  # tensor parallel: each rank reads its part of a tensor, not the whole
         if info.kind == "gguf":
-            weights = info.gguf.tensors(keep)
+            weights = info.gguf.tensors(keep, lazy)
         elif info.quant is not None:
             weights = iter_dequantized(info.path, info.quant, dtype, blocks, keep)
         else:
-            weights = hf.iter_safetensors(info.path, keep)
+            weights = hf.iter_safetensors(info.path, keep, lazy)
         try:
             model.load_weights(_progress(weights, info.path))
         except (KeyError, ValueError) as e:

@@ -15,9 +15,11 @@ from ops.norm import RMSNorm
 from ops.quant import QuantWeight
 from ops.rotary import RotaryEmbedding
 from xinfer import parallel as tp
+from xinfer.loader.lazy import Lazy, materialize, reads_parts
 
 
 def default_loader(param: nn.Parameter, loaded: torch.Tensor, shard=None) -> None:
+    loaded = materialize(loaded)  # a Lazy part: read now (copy_ casts to the parameter's dtype)
     if param.shape != loaded.shape:
         raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
     param.data.copy_(loaded)
@@ -68,6 +70,7 @@ class Linear(nn.Module):
             return t.narrow(1, *self.take[None])
         return t
 
+    @reads_parts
     def _load_shard(self, param, loaded, shard):
         if shard is None and len(self.shards) > 1:  # a fused weight stored whole (Phi-3's qkv_proj, gate_up_proj)
             for key, (start, size) in self.full.items():
@@ -76,6 +79,7 @@ class Linear(nn.Module):
         start, size = self.shards[shard]
         default_loader(param.data.narrow(0, start, size), self.local(loaded, shard))
 
+    @reads_parts
     def _load_bias(self, param, loaded, shard=None):
         if self.parallel == "row":
             return default_loader(param, loaded)
@@ -102,12 +106,26 @@ def _offsets(sizes):
 
 
 class Embedding(nn.Module):
-    def __init__(self, vocab: int, dim: int):
+    """`parallel` (tensor parallel): each rank holds its rows of the vocabulary (tp.vocab_part),
+    looks up the ids among them, zeros for the others, and the ranks' rows are summed."""
+
+    def __init__(self, vocab: int, dim: int, parallel: bool = False):
         super().__init__()
-        self.weight = _param(vocab, dim)
+        self.start, rows = tp.vocab_part(vocab)[:2] if parallel and tp.size() > 1 else (0, vocab)
+        self.parallel = rows != vocab
+        self.weight = _param(rows, dim, loader=self._load if self.parallel else default_loader)
+
+    @reads_parts
+    def _load(self, param, loaded, shard=None):
+        default_loader(param, loaded.narrow(0, self.start, param.shape[0]))
 
     def forward(self, ids):
-        return F.embedding(ids, self.weight)
+        if not self.parallel:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        out = F.embedding(torch.where(inside, local, 0), self.weight) * inside[:, None].to(self.weight.dtype)
+        return tp.all_reduce(out)
 
 
 class GatedMLP(nn.Module):
@@ -202,8 +220,11 @@ def load_weights(model: nn.Module, weights, remap=None) -> set[str]:
                 continue
             raise KeyError(f"checkpoint tensor {name!r} has no matching parameter")
         p = params[pname]
+        loader = getattr(p, "weight_loader", default_loader)
+        if isinstance(tensor, Lazy) and not getattr(loader, "reads_parts", False):
+            tensor = tensor.tensor()
         try:
-            getattr(p, "weight_loader", default_loader)(p, tensor.to(p.dtype), shard)
+            loader(p, tensor if isinstance(tensor, Lazy) else tensor.to(p.dtype), shard)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
         loaded.add(pname)

@@ -84,7 +84,7 @@ class Model(nn.Module):
         # the head is tied to it), the norm on the last
         lo, hi = lm.layers_here
         tied = cfg.get("tie_word_embeddings", False)
-        self.embed_tokens = Embedding(cfg["vocab_size"], cfg["hidden_size"]) \
+        self.embed_tokens = Embedding(cfg["vocab_size"], cfg["hidden_size"], parallel=True) \
             if tp.first_stage() or (tied and tp.last_stage()) else None
         self.layers = nn.ModuleList(lm.layer_cls(lm, cfg, i) if lo <= i < hi else Elsewhere()
                                     for i in range(cfg["num_hidden_layers"]))
@@ -111,9 +111,9 @@ class LlamaForCausalLM(nn.Module):
         self.head_blocks = None  # the head's QuantWeight (layers.attach_blocks)
         self.head_fast = None  # the head in bfloat16 (layers.attach_bf16)
         self._cpu_decoder = None  # built at the first decode step that can use it; False: none fits
-        self._head_part = None  # tensor parallel: this rank's rows of head_blocks and head_fast
-        if not self.tied and tp.last_stage():
-            self.lm_head = Linear(cfg["hidden_size"], [cfg["vocab_size"]])
+        if not self.tied and tp.last_stage():  # tensor parallel: this rank's rows of the vocabulary
+            self.lm_head = Linear(cfg["hidden_size"], [cfg["vocab_size"]], parallel="col",
+                                  take={None: tp.vocab_part(cfg["vocab_size"])[:2]})
 
     # ---- hooks the families override ----
     def make_rotary(self, cfg, idx, layer_type=None):
@@ -222,12 +222,11 @@ class LlamaForCausalLM(nn.Module):
         w = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
         if tp.size() == 1:
             return linear(hidden, w, None, self.head_blocks, self.head_fast).float()
-        # tensor parallel: this rank's rows of the (replicated) head, then every rank's logits
-        start, count, _ = tp.vocab_part(w.shape[0])
-        part = lambda t: None if t is None else t.narrow(0, start, count)  # noqa: E731
-        if self._head_part is None:
-            self._head_part = (part(self.head_blocks), part(self.head_fast))
-        return tp.gather_vocab(linear(hidden, part(w), None, *self._head_part).float(), w.shape[0])
+        # tensor parallel: the logits of this rank's rows of the vocabulary, then every rank's
+        n = self.cfg["vocab_size"]
+        if self.head_blocks is not None and self.head_blocks.shape[0] != w.shape[0]:  # the checkpoint's whole head
+            self.head_blocks = self.head_blocks.narrow(0, tp.vocab_part(n)[0], w.shape[0])
+        return tp.gather_vocab(linear(hidden, w, None, self.head_blocks, self.head_fast).float(), n)
 
     def head_param_name(self) -> str:
         return "model.embed_tokens.weight" if self.tied else "lm_head.weight"
