@@ -97,6 +97,8 @@ def test_what_is_not_sharded_is_a_clear_error(tmp_path):
         _engine(tmp_path / "llama", tp=3)
     with pytest.raises(ModelLoadError, match="do not make 9 stages"):
         _engine(tmp_path / "llama", tp=1, pp=9)
+    with pytest.raises(ModelLoadError, match="--headless"):
+        _engine(tmp_path / "llama", nnodes=2, node_rank=1)
 
 
 def test_cli_flags():

@@ -29,6 +29,7 @@ _rank, _size = 0, 1  # within this rank's tensor-parallel group
 _stage, _stages = 0, 1
 _world = 0
 _group = None  # this stage's tensor-parallel process group (None: the world, when there is one stage)
+_device = torch.device("cpu")  # where collectives' own tensors live (NCCL takes CUDA tensors only)
 
 # Families whose every projection goes through the shared Attention / GatedMLP / SparseMoe layers:
 # what the layers shard. Kept without importing the models (the engine core checks at start-up).
@@ -40,6 +41,10 @@ TP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"
 def check(config, model_cfg: dict) -> None:
     """Start-up check: ModelLoadError naming why this engine can't run tensor parallel."""
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    if config.node_rank:
+        raise ModelLoadError(f"--node-rank {config.node_rank}: this runs node 0 (the API, the scheduler and rank 0); "
+                             f"on node {config.node_rank} run `xinfer serve --headless` with the same --nnodes, "
+                             "--master-addr, --master-port and --cluster-key")
     if tp * pp == 1:
         return
     flag = f"--tensor-parallel-size {tp}" + (f" --pipeline-parallel-size {pp}" if pp > 1 else "")
@@ -64,7 +69,7 @@ def init(world_rank: int, config, store: str, device: torch.device) -> None:
     init_method, a file in the runtime directory on one node, the master's TCP address across
     nodes. On a CPU, pin this rank to its cores (--cpu-ranks-bind, else an even share of this
     node's) so the ranks' thread pools don't compete; on a GPU, take its device."""
-    global _rank, _size, _stage, _stages, _world, _group
+    global _rank, _size, _stage, _stages, _world, _group, _device
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     _world, _size, _stages = world_rank, tp, pp
     _rank, _stage = world_rank % tp, pp - 1 - world_rank // tp
@@ -77,7 +82,8 @@ def init(world_rank: int, config, store: str, device: torch.device) -> None:
         os.sched_setaffinity(0, mine)
         torch.set_num_threads(len(mine))
     elif device.type == "cuda":
-        torch.cuda.set_device(config.device_ids()[local] if config.devices else local)
+        _device = torch.device("cuda", config.device_ids()[local] if config.devices else local)
+        torch.cuda.set_device(_device)
     if config.nnodes == 1 or config.master_addr in LOOPBACK:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     timeout = datetime.timedelta(seconds=max(config.startup_timeout, 120))
@@ -171,11 +177,11 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def world_min(n: int, device) -> int:
+def world_min(n: int) -> int:
     """The smallest of every rank's n (the KV blocks each has room for: their caches must match)."""
     if world_size() == 1:
         return n
-    t = torch.tensor([n], dtype=torch.int64, device=device)
+    t = torch.tensor([n], dtype=torch.int64, device=_device)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
     return int(t.item())
 
@@ -194,7 +200,7 @@ def broadcast_tokens(tokens: list[int], count: int) -> list[int]:
     """Rank 0's `count` sampled tokens, on every rank."""
     if world_size() == 1:
         return tokens
-    t = torch.tensor(tokens if _world == 0 else [0] * count, dtype=torch.int64)
+    t = torch.tensor(tokens if _world == 0 else [0] * count, dtype=torch.int64, device=_device)
     torch.distributed.broadcast(t, 0)
     return t.tolist()
 

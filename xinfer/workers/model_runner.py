@@ -90,7 +90,7 @@ class ModelRunner:
             log.info("draft model %s proposes %d tokens a step", dinfo.name, config.num_speculative_tokens)
         self.num_blocks = num_blocks or config.num_kv_blocks or num_kv_blocks(config, cfg, self.dtype,
                                                                                self.device, draft_cfg)
-        self.num_blocks = tp.world_min(self.num_blocks, self.device)  # each rank's free memory may differ
+        self.num_blocks = tp.world_min(self.num_blocks)  # each rank's free memory may differ
         self._alloc_kv(self.model)
         if hasattr(self.model, "alloc_state"):  # hybrids: the linear-attention layers' recurrent state
             snaps = hybrid.num_snapshots(config)
