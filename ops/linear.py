@@ -23,14 +23,19 @@ _ONEDNN = (envs.onednn() and torch.backends.mkldnn.is_available()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, blocks=None,
-           fast: torch.Tensor | None = None) -> torch.Tensor:
-    """`fast`: the weight in bfloat16 (--cpu-matmul bfloat16), for what the blocks do not take."""
+           fast: torch.Tensor | None = None, out_bf16: bool = False) -> torch.Tensor:
+    """`fast`: the weight in bfloat16 (--cpu-matmul bfloat16), for what the blocks do not take; it
+    also takes bfloat16 activations as they are. `out_bf16`: where `fast` runs, leave the output in
+    bfloat16 (what the next bfloat16 GEMM reads anyway: no cast back and forth)."""
     if blocks is not None and 0 < x.shape[0] <= (BF16_ROWS if fast is not None else MAX_ROWS) and x.dim() == 2 \
-            and x.dtype == torch.float32:
-        y = blocks(x)
+            and x.dtype in (torch.float32, torch.bfloat16):
+        y = blocks(x.float())
         return y if bias is None else y.add_(bias)
-    if fast is not None and x.dtype == torch.float32:
-        y = F.linear(x.to(torch.bfloat16), fast).float()
+    if fast is not None and x.dtype in (torch.float32, torch.bfloat16):
+        y = F.linear(x.to(torch.bfloat16), fast)
+        if out_bf16 and bias is None:
+            return y
+        y = y.float()
         return y if bias is None else y.add_(bias)
     if _ONEDNN and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] > 0:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")

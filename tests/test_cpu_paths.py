@@ -123,3 +123,27 @@ def test_bench_fidelity_command(tmp_path, capsys):
     import json
     r = json.loads(out.read_text())
     assert r["positions"] == 199 and r["b"]["cpu_matmul"] == "bfloat16" and r["cpu"] in cpu_isa.LEVELS
+
+
+def test_bf16_mlp_chain_matches_the_float32_round_trip():
+    """With bfloat16 GEMMs, gate and up stay bfloat16 through the activation into the down
+    projection (which rounds its input to bfloat16 anyway): the output is float32 and equals the
+    float32 round trip within bfloat16 rounding; rows the blocks would take still go to them."""
+    import torch.nn.functional as F
+
+    from xinfer.models.layers import GatedMLP
+    torch.manual_seed(0)
+    mlp = GatedMLP(64, 128)
+    for lin in (mlp.gate_up_proj, mlp.down_proj):
+        lin.weight.data.copy_(torch.randn_like(lin.weight) * 0.1)
+        lin.fast = lin.weight.data.to(torch.bfloat16)
+    x = torch.randn(40, 64)
+    gate, up = F.linear(x.to(torch.bfloat16), mlp.gate_up_proj.fast).float().chunk(2, dim=-1)
+    want = F.linear((F.silu(gate) * up).to(torch.bfloat16), mlp.down_proj.fast).float()
+    got = mlp(x)
+    assert got.dtype == torch.float32
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+    seen = []
+    mlp.down_proj.blocks = lambda t: seen.append(t.dtype) or F.linear(t, mlp.down_proj.weight)
+    mlp(x[:4])  # a few rows: the down projection's blocks take them, in float32
+    assert seen == [torch.float32]

@@ -90,9 +90,9 @@ class Linear(nn.Module):
         start, size = self.shards[shard]
         default_loader(param.data.narrow(0, start, size), loaded.narrow(0, *self.take[shard]))
 
-    def forward(self, x):
+    def forward(self, x, out_bf16: bool = False):
         if self.parallel != "row":
-            return linear(x, self.weight, self.bias, self.blocks, self.fast)
+            return linear(x, self.weight, self.bias, self.blocks, self.fast, out_bf16)
         y = linear(x, self.weight, self.bias if tp.rank() == 0 else None, self.blocks, self.fast)
         return tp.all_reduce(y) if self.reduce else y
 
@@ -136,7 +136,9 @@ class GatedMLP(nn.Module):
         self.act, self.act_name = ACTIVATIONS[act], act
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        # --cpu-matmul bfloat16, batches past the blocks: gate and up stay in bfloat16 through the
+        # activation into the down projection, which would round its input to bfloat16 anyway
+        gate, up = self.gate_up_proj(x, out_bf16=self.down_proj.fast is not None).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
