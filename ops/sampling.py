@@ -105,6 +105,15 @@ def race(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (probs / u.log().neg_()).argmax(dim=-1)
 
 
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """A draw from each row of `probs` (any scale) by its inverse CDF, one U(0, 1) a row ([B, 1]):
+    a cumulative sum and a binary search instead of one random number, a log and a division per
+    token as `race` takes (at 64 rows of a 49k vocabulary on two cores: ~6 ms against ~30)."""
+    cdf = probs.cumsum(dim=-1)
+    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]  # the first token whose cdf passes u
+    return idx.clamp_(max=probs.shape[-1] - 1)
+
+
 def distribution(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     """The normalised distribution each row samples from (processed logits in): temperature, top-k,
     top-p, min-p; a greedy row is one-hot on its argmax."""
@@ -129,14 +138,15 @@ def sample(logits: torch.Tensor, b: SamplingBatch):
     logprobs are from the model's raw distribution: (chosen [B], top ids [B, k], top values [B, k])."""
     raw = logits
     logits = processed(logits, b)
-    greedy_tokens = logits.argmax(dim=-1)
     if b.all_greedy:
-        tokens = greedy_tokens
+        tokens = logits.argmax(dim=-1)
     else:
         temp = b.temperature.clamp(min=1e-5)[:, None]
         probs = _filter(torch.softmax(logits / temp, dim=-1), b)
-        sampled = race(probs, uniforms(*probs.shape, b.seeds, probs.device))
-        tokens = torch.where(b.temperature == 0, greedy_tokens, sampled)
+        tokens = draw(probs, uniforms(probs.shape[0], 1, b.seeds, probs.device))
+        greedy = b.temperature == 0
+        if bool(greedy.any()):
+            tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
     if b.num_logprobs is None:
         return tokens, None
     return tokens, logprobs_of(raw, tokens, b.num_logprobs)

@@ -84,3 +84,11 @@ def test_logprobs_are_raw_model_logprobs():
     assert toks[1] == 0  # the bias steers sampling...
     assert torch.allclose(chosen, ref.gather(1, toks[:, None])[:, 0])  # ...but logprobs are the model's
     assert torch.allclose(vals, ref.topk(3, -1).values)
+
+
+def test_inverse_cdf_draw_never_picks_a_zero_probability_token():
+    """The ends of U(0, 1) land on the first and last tokens with mass, never on one without."""
+    from ops.sampling import draw
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]] * 3)
+    u = torch.tensor([[0.0], [0.5 - 1e-7], [1.0 - 1e-7]])
+    assert draw(probs, u).tolist() == [1, 1, 3]
