@@ -248,8 +248,8 @@ def attach_blocks(model: nn.Module, blocks, remap=None) -> int:
             stacks.setdefault(module, {})[part.removesuffix("_stack")] = q
             continue
         pname, shard = _target(name, remap)
-        if pname == model.head_param_name() and tp.last_stage():
-            head = q
+        if pname == model.head_param_name() and tp.last_stage():  # tensor parallel: this rank's rows
+            head = q if tp.size() == 1 else q.narrow(0, *tp.vocab_part(q.shape[0])[:2])
         elif pname in linears:
             lin = linears[pname]
             try:

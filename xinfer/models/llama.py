@@ -220,13 +220,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        if tp.size() == 1:
-            return linear(hidden, w, None, self.head_blocks, self.head_fast).float()
+        logits = linear(hidden, w, None, self.head_blocks, self.head_fast).float()
         # tensor parallel: the logits of this rank's rows of the vocabulary, then every rank's
-        n = self.cfg["vocab_size"]
-        if self.head_blocks is not None and self.head_blocks.shape[0] != w.shape[0]:  # the checkpoint's whole head
-            self.head_blocks = self.head_blocks.narrow(0, tp.vocab_part(n)[0], w.shape[0])
-        return tp.gather_vocab(linear(hidden, w, None, self.head_blocks, self.head_fast).float(), n)
+        return logits if tp.size() == 1 else tp.gather_vocab(logits, self.cfg["vocab_size"])
 
     def head_param_name(self) -> str:
         return "model.embed_tokens.weight" if self.tied else "lm_head.weight"

@@ -101,7 +101,7 @@ class Ranks:
 
     def __init__(self, config: EngineConfig, topology: Topology, gen: int, num_blocks: int | None, log_level: str,
                  results: bool):
-        t = self.topology = topology
+        t = topology
         world = config.tensor_parallel_size * config.pipeline_parallel_size
         n = world // config.nnodes
         first = config.node_rank * n  # this node's world ranks: first .. first + n - 1
