@@ -20,7 +20,8 @@ from xinfer.process import setup_logging
 
 
 ALIASES = {"model": ["--m"], "kvcache_dtype": ["--kv-cache-dtype"], "tensor_parallel_size": ["-tp"],  # short, and vLLM's
-           "pipeline_parallel_size": ["-pp"], "devices": ["--d"]}  # spelling; --d: xInfer's
+           "pipeline_parallel_size": ["-pp"], "devices": ["--d"],  # spelling; --d: xInfer's
+           "enforce_eager": ["--disable-cuda-graph"]}  # SGLang's
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -33,6 +34,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                            help="turn off prefix caching (on by default)")
             continue
         t = str(f.type)  # annotations are strings here: "int", "float | None", ...
+        if t == "bool":
+            p.add_argument(*names, dest=f.name, action="store_true", help=f"(default: {f.default})")
+            continue
         kind = int if t.startswith("int") else float if t.startswith("float") else str
         p.add_argument(*names, dest=f.name, type=kind, default=f.default, help=f"(default: {f.default})")
 

@@ -53,7 +53,9 @@ class EngineConfig:
     # 8/4/3 bits a value and a length (ops/turbo_quant.py; torch and triton backends). The same --kv-cache-gb then
     # holds proportionally more tokens.
     kvcache_dtype: str = "auto"
-    kv_fraction: float = 0.85  # GPU: share of free memory for the KV cache
+    # GPU: share of the memory free after the weights, the activations' peak and the CUDA graphs for the KV cache
+    kv_fraction: float = 0.85
+    enforce_eager: bool = False  # CUDA: no decode graphs (xinfer/workers/graphs.py); every step launches eagerly
     num_kv_blocks: int | None = None  # exact KV cache size in blocks (tests); overrides the two above
     enable_prefix_cache: bool = True
     prefix_cache_max_tokens: int | None = None  # cap on tokens kept for reuse; None: the whole cache
@@ -134,6 +136,8 @@ class EngineConfig:
             raise ValueError(f"--pooling must be one of {list(POOLINGS)}, got {self.pooling!r}")
         if self.cpu_matmul not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"--cpu-matmul must be auto, float32 or bfloat16, got {self.cpu_matmul!r}")
+        if not 0 < self.kv_fraction <= 1:
+            raise ValueError(f"--kv-fraction must be in (0, 1], got {self.kv_fraction}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"--load-format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.num_speculative_tokens == 0 and (self.draft_model or self.speculative_method):

@@ -95,3 +95,9 @@ def hf_cache_dirs() -> list[str]:
 def c_compiler() -> str | None:
     """CC: the compiler for the CPU kernels (else cc or gcc on PATH)."""
     return os.environ.get("CC") or None
+
+
+def cpu_graphs() -> bool:
+    """XINFER_CPU_GRAPHS=1: decode graphs on the CPU through their stand-in (xinfer/workers/graphs.py
+    Rerun), which runs the bookkeeping of CUDA graphs where there is no GPU (tests)."""
+    return _flag("XINFER_CPU_GRAPHS", False)

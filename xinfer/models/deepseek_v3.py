@@ -77,6 +77,7 @@ class MLAttention(nn.Module):
 
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
+    cuda_graphs = False  # routing sorts rows by expert: data-dependent shapes
     interleaved_rotary = True  # rope_interleave, the checkpoints' layout (the rotary dims come in pairs)
 
     def __init__(self, cfg):

@@ -11,6 +11,7 @@ from xinfer.models.registry import register
 
 
 class Glm4MoeForCausalLM(LlamaForCausalLM):
+    cuda_graphs = False  # routing sorts rows by expert: data-dependent shapes
     partial_rotary = 0.5  # transformers' default when the config does not say
 
     def __init__(self, cfg):

@@ -98,6 +98,7 @@ class LlamaForCausalLM(nn.Module):
     qk_norm = False
     partial_rotary = 1.0  # the share of each head that rotates when the config does not say
     interleaved_rotary = False
+    cuda_graphs = True  # a decode step has no data-dependent shapes (xinfer/workers/graphs.py)
 
     def __init__(self, cfg: dict):
         super().__init__()

@@ -12,6 +12,7 @@ def num_experts(cfg: dict) -> int:
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    cuda_graphs = False  # routing sorts rows by expert: data-dependent shapes
     def make_mlp(self, cfg, idx):
         sparse = (idx not in cfg.get("mlp_only_layers", []) and num_experts(cfg) > 0
                   and (idx + 1) % cfg.get("decoder_sparse_step", 1) == 0)

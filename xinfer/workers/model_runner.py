@@ -22,6 +22,7 @@ from xinfer.loader import ModelInfo, load_model_info
 from xinfer.loader.isq import apply_isq
 from xinfer.loader.weights import build_model
 from xinfer.models.layers import attach_bf16, attach_blocks
+from xinfer.workers import graphs
 from xinfer.workers.batch import WorkerSeq, drafted, forward, sampling_batch
 from xinfer.workers.drafter import Drafter
 from xinfer.workers.mm import VisionInputs
@@ -40,19 +41,12 @@ def kv_bytes_per_token(cfg: dict, dtype: torch.dtype | str) -> int:
     return 2 * hybrid.num_kv_layers(cfg) * kv_heads * kv_quant.head_bytes(head_dim, dtype)
 
 
-def num_kv_blocks(config: EngineConfig, cfg: dict, dtype: torch.dtype, device: torch.device,
-                  draft_cfg: dict | None = None) -> int:
+def kv_block_bytes(config: EngineConfig, cfg: dict, dtype: torch.dtype, draft_cfg: dict | None = None) -> int:
     """`dtype`: the model's (--kvcache-dtype may store K/V in another); `draft_cfg`: a draft model's
     config, whose KV lives in the same blocks."""
     dtype = kv_quant.storage_dtype(config.kvcache_dtype, dtype)
     per_token = kv_bytes_per_token(cfg, dtype) + (kv_bytes_per_token(draft_cfg, dtype) if draft_cfg else 0)
-    per_block = per_token * config.block_size
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = free * config.kv_fraction
-    else:
-        budget = config.kv_cache_gb * (1 << 30)
-    return max(int(budget // per_block), 1)
+    return per_token * config.block_size
 
 
 class ModelRunner:
@@ -88,8 +82,9 @@ class ModelRunner:
             self.drafter = Drafter(self._build(dinfo, draft_cfg), self.backend, self.device, self.block_size,
                                    self.vocab_size, self.eos_ids, config.prefill_chunk_size)
             log.info("draft model %s proposes %d tokens a step", dinfo.name, config.num_speculative_tokens)
-        self.num_blocks = num_blocks or config.num_kv_blocks or num_kv_blocks(config, cfg, self.dtype,
-                                                                               self.device, draft_cfg)
+        self.graph_why = graphs.why_not(config, self.model, self.backend, self.device)
+        self.num_blocks = num_blocks or config.num_kv_blocks or self._kv_blocks(kv_block_bytes(config, cfg, self.dtype,
+                                                                                               draft_cfg))
         self.num_blocks = tp.world_min(self.num_blocks)  # each rank's free memory may differ
         self._alloc_kv(self.model)
         if hasattr(self.model, "alloc_state"):  # hybrids: the linear-attention layers' recurrent state
@@ -99,6 +94,9 @@ class ModelRunner:
                      config.max_num_seqs, snaps, nbytes / (1 << 30))
         if self.drafter is not None:
             self._alloc_kv(self.drafter.model)  # a draft model or the MTP head
+        self.graphs = self._capture() if self.graph_why is None else None
+        if self.graph_why is not None and self.device.type == "cuda":
+            log.info("decode steps run eagerly: %s", self.graph_why)
         self.seqs: dict[int, WorkerSeq] = {}
         if config.kvcache_dtype.startswith("turbo"):
             self._calibrate_key_shift(info)
@@ -132,7 +130,52 @@ class ModelRunner:
             attach_bf16(model)
         return model
 
-    def _alloc_kv(self, model):
+    def _kv_blocks(self, per_block: int) -> int:
+        """On a CPU, --kv-cache-gb; on a GPU, --kv-fraction of the memory free now that the weights
+        are loaded, less the activations' peak at the largest step and the decode graphs' pool, each
+        measured by a forward on a cache of just the blocks it needs."""
+        if self.device.type != "cuda":
+            return max(int(self.config.kv_cache_gb * (1 << 30) // per_block), 1)
+        mem = graphs.CudaMemory(self.device)
+        free = mem.free()
+        prefill, decode = self._profile_rows()
+        self.num_blocks = max(sum(len(b) for b, _, _ in r) for r in (prefill, decode))
+        self._alloc_kv(self.model, quiet=True)
+        sample = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        run = lambda rows: forward(self.model, self.backend, self.device, self.block_size, rows)
+        # pipeline stages would wait on each other, a hybrid's forward on its state pool: not measured
+        measured = tp.stages() == 1 and not hasattr(self.model, "alloc_state")
+        act = graphs.profile(lambda: self.model.compute_logits(run(prefill)[-sample:]), mem) if measured else 0
+        graph = graphs.profile(lambda: run(decode), mem) if self.graph_why is None else 0
+        for layer in self.model.attention_layers():
+            layer.k_cache = layer.v_cache = None
+        budget = graphs.kv_budget(free, act, graph, self.config.kv_fraction)
+        log.info("device memory: %.2f GiB free after the weights, activations %.2f GiB, decode graphs %.2f GiB; "
+                 "KV cache %.2f GiB (--kv-fraction %.2f)", free / (1 << 30), act / (1 << 30), graph / (1 << 30),
+                 budget / (1 << 30), self.config.kv_fraction)
+        return max(budget // per_block, 1)
+
+    def _profile_rows(self):
+        """The largest step's rows (--max-num-batched-tokens in prefill chunks) and the largest
+        decode graph's, each on blocks of its own from 0 (dummy token 0)."""
+        c, bs = self.config, self.block_size
+        prefill, nxt = [], 0
+        for start in range(0, c.max_num_batched_tokens, c.prefill_chunk_size):
+            n = min(c.prefill_chunk_size, c.max_num_batched_tokens - start)
+            k = spec.blocks_needed(n, bs)
+            prefill.append((list(range(nxt, nxt + k)), 0, [0] * n))
+            nxt += k
+        decode = [([i], 0, [0]) for i in range(graphs.buckets(min(c.max_num_seqs, graphs.MAX_CAPTURE))[-1])]
+        return prefill, decode
+
+    def _capture(self):
+        cuda = self.device.type == "cuda"
+        width = spec.blocks_needed(self.config.max_model_len or self.model.cfg.get("_max_positions") or 4096,
+                                   self.block_size)
+        return graphs.DecodeGraphs(self.model, self.backend, self.device, self.block_size, self.config.max_num_seqs,
+                                   width, graphs.CudaCapturer(self.device) if cuda else graphs.Rerun())
+
+    def _alloc_kv(self, model, quiet: bool = False):
         dtype = kv_quant.storage_dtype(self.config.kvcache_dtype, self.dtype)
         kv_quant.check_backend(self.config.kvcache_dtype, dtype, self.dtype, self.backend.name)
         layers = model.attention_layers()
@@ -144,9 +187,10 @@ class ModelRunner:
             shared = getattr(layer, "kv_shared", False)
             layer.v_cache = layer.k_cache if shared else kv_quant.alloc(shape, dtype, self.device)
         n = sum(1 if getattr(ly, "kv_shared", False) else 2 for ly in layers)
-        log.info("KV cache: %d blocks of %d tokens, %d tokens in all, %s (%.2f GiB)", self.num_blocks,
+        if not quiet:
+            log.info("KV cache: %d blocks of %d tokens, %d tokens in all, %s (%.2f GiB)", self.num_blocks,
                  self.block_size, self.num_blocks * self.block_size, str(dtype).removeprefix("torch."),
-                 n * np.prod(shape[:-1]) * kv_quant.head_bytes(a.head_dim, dtype) / (1 << 30))
+                     n * np.prod(shape[:-1]) * kv_quant.head_bytes(a.head_dim, dtype) / (1 << 30))
 
     @torch.inference_mode()
     def _calibrate_key_shift(self, info: ModelInfo) -> None:
@@ -235,6 +279,8 @@ class ModelRunner:
                                                                       rows)}
         if tp.stages() > 1:
             hidden = self._pipelined(rows)
+        elif self.graphs is not None and self.graphs.fits(rows):
+            hidden = self.graphs.run(rows)
         else:
             hidden = forward(self.model, self.backend, self.device, self.block_size, rows,
                              [self.seqs[s.seq_id].state_slot for s in plan.scheduled],

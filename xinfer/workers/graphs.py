@@ -1,0 +1,199 @@
+"""CUDA graphs for decode steps, and the memory they and the activations take.
+
+A step whose every sequence decodes one token replays a graph captured at start-up for the
+smallest bucket that holds the batch (1, 2, 4, 8, then every 8: vLLM's sizes) instead of
+launching each kernel from Python. A graph reads only static buffers (token ids, positions,
+slot mapping, KV lengths, block tables): a step writes its rows into host mirrors (pinned on a
+GPU), copies them over without blocking and replays. Padding rows write no KV (slot -1) and
+read one cache entry (length 1). Prefill, mixed and oversized steps run eagerly.
+
+How a graph is captured sits behind a capturer: `CudaCapturer` records real graphs sharing one
+memory pool; `Rerun`, the CPU stand-in (XINFER_CPU_GRAPHS=1), runs the captured closure again on
+each replay, over the metadata made at capture time, so everything around the capture (buckets,
+padding, buffer updates, output slices) is tested without a GPU: a replay that read anything
+but the static buffers would differ from the eager step.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import numpy as np
+import torch
+
+from ops.attention import AttnMetadata, set_context
+
+log = logging.getLogger("xinfer.graphs")
+GiB = 1 << 30
+MAX_CAPTURE = 512  # the largest batch captured (vLLM's default cap); larger decode batches run eagerly
+
+
+def buckets(max_bs: int) -> list[int]:
+    """The batch sizes captured: 1, 2, 4, 8, 16, 24, ... below max_bs, and max_bs."""
+    return [b for b in (1, 2, 4) if b < max_bs] + list(range(8, max_bs, 8)) + [max_bs]
+
+
+def bucket_for(n: int, sizes: list[int]) -> int | None:
+    """The smallest captured size that holds n rows; None: more rows than any graph."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
+
+
+def why_not(config, model, backend, device) -> str | None:
+    """Why this runner's decode steps cannot run as graphs, or None when they can."""
+    if config.enforce_eager:
+        return "--enforce-eager"
+    if device.type != "cuda" and not _cpu_graphs():
+        return "not on a CUDA device"
+    if backend.name != "triton":  # its kernels read every per-step value from device tensors
+        return f"the {backend.name} attention backend plans on the host each step (graphs need triton)"
+    if not getattr(model, "cuda_graphs", False) or hasattr(model, "encode_images") or hasattr(model, "alloc_state"):
+        return f"{type(model).__name__} has data-dependent shapes (experts, recurrent state or images)"
+    if config.num_speculative_tokens and config.speculative_method in ("draft", "mtp"):
+        return "a draft model or MTP head reads the target's hidden states"
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+        return "tensor or pipeline parallel"
+    if config.kvcache_dtype.startswith("turbo"):
+        return "turbo KV caches are stored by torch with data-dependent shapes"
+    return None
+
+
+def _cpu_graphs() -> bool:
+    from xinfer import envs
+    return envs.cpu_graphs()
+
+
+class CudaCapturer:
+    """Real CUDA graphs; all share one memory pool (captured largest first, the smaller ones fit
+    in what the larger left)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device)
+
+    def capture(self, fn):
+        # one eager run first: Triton compiles and cuBLAS sets up outside the graph
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            fn()
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+            out = fn()
+        return graph.replay, out
+
+
+class Rerun:
+    """The CPU stand-in: a replay runs the closure again and writes into the captured output, as a
+    graph would."""
+
+    def capture(self, fn):
+        out = fn()
+        return (lambda: out.copy_(fn())), out
+
+
+class DecodeGraphs:
+    """The captured decode forwards of one model, and the static buffers they read."""
+
+    def __init__(self, model, backend, device: torch.device, block_size: int, max_bs: int, max_blocks: int,
+                 capturer):
+        self.sizes = buckets(min(max_bs, MAX_CAPTURE))
+        self.block_size, self.width = block_size, max_blocks
+        n, pin = self.sizes[-1], device.type == "cuda"
+
+        def host(fill, dtype, *shape):
+            return torch.full(shape or (n,), fill, dtype=dtype, pin_memory=pin)
+        self.host = {"ids": host(0, torch.long), "pos": host(0, torch.long), "slots": host(-1, torch.long),
+                     "lens": host(1, torch.int32), "tables": host(0, torch.int32, n, max_blocks)}
+        self.view = {k: v.numpy() for k, v in self.host.items()}
+        self.dev = {k: v.to(device) for k, v in self.host.items()}
+        cu = torch.arange(n + 1, dtype=torch.int32, device=device)
+        d = self.dev
+        self.graphs = {}
+        self.replays = 0
+        t0 = time.perf_counter()
+        for b in reversed(self.sizes):
+            # host lists are placeholders: the backend reads only the tensors (why_not)
+            meta = AttnMetadata(cu_seqlens_q=cu[:b + 1], seq_lens=d["lens"][:b], block_tables=d["tables"][:b],
+                                slot_mapping=d["slots"][:b], query_lens=[1] * b, kv_lens=[1] * b,
+                                block_size=block_size)
+
+            def fn(b=b, meta=meta):
+                set_context(meta, backend)
+                try:
+                    return model(d["ids"][:b], d["pos"][:b])
+                finally:
+                    set_context(None)
+            self.graphs[b] = capturer.capture(fn)
+        log.info("decode graphs captured for batches %s in %.1f s", _span(self.sizes), time.perf_counter() - t0)
+
+    def fits(self, rows) -> bool:
+        return (len(rows) <= self.sizes[-1] and all(len(t) == 1 for _, _, t in rows)
+                and max(len(b) for b, _, _ in rows) <= self.width)
+
+    def run(self, rows: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
+        """Hidden states [len(rows), H] of one decode token a row (block ids, position, [token])
+        from the smallest graph that holds them; only rows that `fits`."""
+        n, bs, v = len(rows), self.block_size, self.view
+        b = bucket_for(n, self.sizes)
+        pos = np.fromiter((start for _, start, _ in rows), dtype=np.int64, count=n)
+        v["ids"][:n] = [t[0] for _, _, t in rows]
+        v["pos"][:n] = pos
+        v["slots"][:n] = [blocks[p // bs] * bs + p % bs for (blocks, _, _), p in zip(rows, pos.tolist())]
+        v["slots"][n:b] = -1
+        v["lens"][:n] = pos + 1
+        v["lens"][n:b] = 1
+        for i, (blocks, _, _) in enumerate(rows):  # entries past a row's last block are never read
+            v["tables"][i, :len(blocks)] = blocks
+        # non-blocking from pinned memory: the step's sampling syncs before the next step writes here
+        for k, t in self.dev.items():
+            t[:b].copy_(self.host[k][:b], non_blocking=True)
+        replay, out = self.graphs[b]
+        replay()
+        self.replays += 1
+        return out[:n]
+
+
+def _span(sizes: list[int]) -> str:
+    return f"{sizes[0]}..{sizes[-1]} ({len(sizes)} sizes)"
+
+
+def kv_budget(free: int, activations: int, graphs: int, fraction: float) -> int:
+    """Bytes for the KV cache: `fraction` of the device memory free after the weights (`free`), less
+    the activations' peak (a profiling forward at the largest token budget) and the graphs' pool."""
+    left = free - activations - graphs
+    if left <= 0:
+        raise ValueError(f"no device memory left for the KV cache: {free / GiB:.2f} GiB free after the weights, "
+                         f"activations take {activations / GiB:.2f} GiB and CUDA graphs {graphs / GiB:.2f} GiB; "
+                         "lower --max-num-batched-tokens or --max-num-seqs, or pass --enforce-eager")
+    return int(left * fraction)
+
+
+class CudaMemory:
+    """What `profile` reads of the device's memory."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def free(self) -> int:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info(self.device)[0]
+
+    def start(self) -> int:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return torch.cuda.memory_allocated(self.device)
+
+    def peak(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device)
+
+
+def profile(run, memory) -> int:
+    """The peak bytes `run()` allocates beyond what is held when it starts."""
+    base = memory.start()
+    run()
+    return max(memory.peak() - base, 0)
