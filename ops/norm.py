@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ops import triton_fused
 from ops.cpu_kernels import lib
 
 
@@ -22,6 +23,8 @@ class RMSNorm(torch.nn.Module):
         self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if triton_fused.enabled(x):
+            return triton_fused.add_rmsnorm(x, None, self.weight, self.eps, self.offset)
         if _can_fuse(x):
             return self._fused(x, None)
         dtype = x.dtype
@@ -33,6 +36,9 @@ class RMSNorm(torch.nn.Module):
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None):
         """(norm(x + residual), x + residual), the sum written into `residual`; None: (norm(x), x)."""
+        if triton_fused.enabled(x) and (residual is None or residual.is_contiguous()):
+            return triton_fused.add_rmsnorm(x, residual, self.weight, self.eps, self.offset), \
+                (x if residual is None else residual)
         if _can_fuse(x) and (residual is None or residual.is_contiguous()):
             return self._fused(x, residual), (x if residual is None else residual)
         residual = x if residual is None else x + residual

@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from ops import triton_fused
 from ops.cpu_kernels import lib
 
 
@@ -105,6 +106,10 @@ class RotaryEmbedding(torch.nn.Module):
                 and positions.dtype == torch.int64 and positions.is_contiguous()):
             lib().xinfer_rope(q.data_ptr(), k.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), positions.data_ptr(),
                               q.shape[0], q.shape[1], k.shape[1], q.shape[2], self.rot_dim, q.stride(0), k.stride(0))
+            return q, k
+        if not self.interleaved and triton_fused.enabled(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
+            triton_fused.rotary_(q, positions, self.cos, self.sin, self.rot_dim)
+            triton_fused.rotary_(k, positions, self.cos, self.sin, self.rot_dim)
             return q, k
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)

@@ -34,6 +34,7 @@ class SamplingBatch:
     num_logprobs: int | None  # max top-k alternatives asked for in the batch; None = no logprobs
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None  # rows restricted to these (row, token id) pairs
     grammar: tuple[torch.Tensor, torch.Tensor] | None = None  # rows, int32 bitmask words [R, ceil(V/32)]
+    top_k_max: int = 0  # the largest top_k of a row that has one (host side: no sync to size the candidates)
 
 
 def allowed_by_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -152,17 +153,57 @@ def sample(logits: torch.Tensor, b: SamplingBatch):
     return tokens, logprobs_of(raw, tokens, b.num_logprobs)
 
 
+CANDIDATES = 256  # top-k / top-p look at each row's largest this many probabilities first
+
+
 def _filter(probs: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     if b.top_k is not None or b.top_p is not None:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        if b.top_k is not None:
-            ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]
-            sorted_p = sorted_p.masked_fill(ranks >= b.top_k[:, None], 0.0)
-        if b.top_p is not None:
-            norm = sorted_p / sorted_p.sum(dim=-1, keepdim=True)
-            before = norm.cumsum(dim=-1) - norm  # mass of strictly better tokens, after top-k
-            sorted_p = sorted_p.masked_fill(before >= b.top_p[:, None], 0.0)
-        probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
+        cand = max(CANDIDATES, (b.top_k_max or probs.shape[-1]) if b.top_k is not None else 0)
+        probs = _nucleus(probs, b.top_k, b.top_p) if cand >= probs.shape[-1] else _nucleus_of(probs, b, cand)
     if b.min_p is not None:
         probs = probs.masked_fill(probs < b.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs
+
+
+def _cut(sorted_p, top_k, top_p, mass=None):
+    """Each row's largest probabilities in descending order (all of them, or the first few), zeroed
+    past its top-k and then past its top-p nucleus. `mass`: each row's whole mass after top-k, where
+    not all of it is here."""
+    if top_k is not None:
+        ranks = torch.arange(sorted_p.shape[-1], device=sorted_p.device)[None, :]
+        sorted_p = sorted_p.masked_fill(ranks >= top_k[:, None], 0.0)
+    if top_p is not None:
+        norm = sorted_p / (sorted_p.sum(dim=-1, keepdim=True) if mass is None else mass)
+        before = norm.cumsum(dim=-1) - norm  # mass of strictly better tokens, after top-k
+        sorted_p = sorted_p.masked_fill(before >= top_p[:, None], 0.0)
+    return sorted_p
+
+
+def _nucleus(probs, top_k, top_p):
+    """top-k and top-p over a full sort of each row."""
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    return torch.zeros_like(probs).scatter_(1, order, _cut(sorted_p, top_k, top_p))
+
+
+def _nucleus_of(probs, b: SamplingBatch, cand: int):
+    """top-k and top-p from each row's `cand` largest probabilities (a partial top-k, not a sort of
+    the vocabulary: 64 rows of 49k take 7 ms against 126 on two cores); `cand` covers every top-k, and
+    a row whose top-p nucleus reaches past them is sorted whole."""
+    vals, order = probs.topk(cand, dim=-1)
+    V = probs.shape[-1]
+    limited = b.top_k < V if b.top_k is not None else torch.zeros(len(probs), dtype=torch.bool, device=probs.device)
+    kept = vals if b.top_k is None else _cut(vals, b.top_k, None)
+    mass = torch.where(limited[:, None], kept.sum(dim=-1, keepdim=True), probs.sum(dim=-1, keepdim=True))
+    cut = _cut(vals, b.top_k, b.top_p, mass)
+    out = torch.zeros_like(probs).scatter_(1, order, cut)
+    if b.top_p is None:
+        return torch.where(limited[:, None], out, probs)
+    whole = ~limited & (b.top_p >= 1.0)  # neither top-k nor top-p: the row as it is
+    out = torch.where(whole[:, None], probs, out)
+    # the first token past the candidates has all of them before it: cut where they reach top-p
+    reach = (kept / mass).sum(dim=-1)
+    beyond = ~(limited | whole | (reach >= b.top_p))
+    if bool(beyond.any()):
+        rows = beyond.nonzero()[:, 0]
+        out[rows] = _nucleus(probs[rows], None if b.top_k is None else b.top_k[rows], b.top_p[rows])
+    return out

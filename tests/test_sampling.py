@@ -92,3 +92,21 @@ def test_inverse_cdf_draw_never_picks_a_zero_probability_token():
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]] * 3)
     u = torch.tensor([[0.0], [0.5 - 1e-7], [1.0 - 1e-7]])
     assert draw(probs, u).tolist() == [1, 1, 3]
+
+
+def test_candidates_give_the_full_sort_nucleus():
+    """top-k / top-p from each row's largest CANDIDATES probabilities equal the full sort's, a row
+    whose nucleus reaches past them (a flat one) included; a row with neither keeps every token."""
+    from ops import sampling as S
+    V = 5000
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, V, generator=g) * torch.tensor([[4.0], [4.0], [4.0], [0.01], [4.0], [2.0]])
+    probs = torch.softmax(logits, dim=-1)
+    top_k = torch.tensor([V, 40, 300, V, V, 7])
+    top_p = torch.tensor([0.9, 1.0, 0.8, 0.95, 1.0, 0.5])
+    for k, p in ((top_k, top_p), (None, top_p), (top_k, None)):
+        b = batch(6, top_k=k, top_p=p, top_k_max=300)
+        want = S._nucleus(probs, k, p)
+        got = S._filter(probs.clone(), b)
+        assert torch.allclose(got, want, atol=1e-7), (k is None, p is None)
+    assert torch.equal(S._filter(probs.clone(), batch(6, top_k=top_k, top_p=top_p, top_k_max=300))[4], probs[4])

@@ -101,3 +101,9 @@ def cpu_graphs() -> bool:
     """XINFER_CPU_GRAPHS=1: decode graphs on the CPU through their stand-in (xinfer/workers/graphs.py
     Rerun), which runs the bookkeeping of CUDA graphs where there is no GPU (tests)."""
     return _flag("XINFER_CPU_GRAPHS", False)
+
+
+def triton_ops() -> bool:
+    """XINFER_TRITON_OPS=1: the fused Triton norm, activation and rotary kernels (ops/triton_fused.py)
+    on the CPU too, through the interpreter (tests); on CUDA they run whenever Triton is installed."""
+    return _flag("XINFER_TRITON_OPS", False)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ops import triton_fused
 from ops.attention import attend
 from ops.linear import linear
 from ops.norm import RMSNorm
@@ -136,6 +137,8 @@ class GatedMLP(nn.Module):
         self.act, self.act_name = ACTIVATIONS[act], act
 
     def forward(self, x):
+        if self.act_name in ("silu", "gelu_pytorch_tanh") and triton_fused.enabled(x):
+            return self.down_proj(triton_fused.gated_act(self.gate_up_proj(x), self.act_name != "silu"))
         # --cpu-matmul bfloat16, batches past the blocks: gate and up stay in bfloat16 through the
         # activation into the down projection, which would round its input to bfloat16 anyway
         gate, up = self.gate_up_proj(x, out_bf16=self.down_proj.fast is not None).chunk(2, dim=-1)

@@ -116,5 +116,5 @@ def sampling_batch(seqs: list[WorkerSeq], vocab_size: int, eos_ids: list[int], d
               torch.tensor(bias_vals, device=dev)) if bias_rows else None,
         banned=(torch.tensor(ban_rows, device=dev), torch.tensor(ban_ids, device=dev)) if ban_rows else None,
         allowed=(torch.tensor(ok_rows, device=dev), torch.tensor(ok_ids, device=dev)) if ok_rows else None,
-        seeds=seeds, all_greedy=all(p.greedy for p in ps),
+        seeds=seeds, all_greedy=all(p.greedy for p in ps), top_k_max=max((k for k in top_k if k < V), default=0),
         num_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=None))
