@@ -74,6 +74,7 @@ def run(args) -> int:
                     "max_input_len": args.max_input_len, "min_output_len": args.min_output_len,
                     "max_output_len": args.max_output_len, "temperature": args.temperature, "seed": args.seed},
          **m,
+         "decode_graph_replays": getattr(getattr(engine.runner, "graphs", None), "replays", None),
          "spec": {"drafts": engine.scheduler.num_draft_tokens, "accepted": engine.scheduler.num_accepted_tokens,
                   "steps": engine.scheduler.num_spec_steps},
          "output_throughput_series": stats.token_rate_series(records, duration),
@@ -96,4 +97,5 @@ def run(args) -> int:
         files.append(plots.throughput_over_time(r, str(out / f"{stem}-throughput.png"),
                                                 f"offline: {engine.info.name}, {len(prompts)} sequences"))
     print("wrote " + ", ".join(map(str, files)))
+    engine.close()
     return 0

@@ -37,6 +37,15 @@ def test_profile_counts_the_peak_above_what_is_held():
     assert graphs.profile(lambda: None, Memory()) == 7
 
 
+def test_profile_rows_are_the_largest_step_and_graph():
+    cfg = EngineConfig(max_num_batched_tokens=1100, prefill_chunk_size=512, max_num_seqs=20)
+    prefill, decode = graphs.profile_rows(cfg, 16)
+    assert [len(t) for _, _, t in prefill] == [512, 512, 76]
+    assert [len(b) for b, _, _ in prefill] == [32, 32, 5]
+    assert sorted(x for b, _, _ in prefill for x in b) == list(range(69))  # no block shared
+    assert len(decode) == 20 and all(len(t) == 1 for _, _, t in decode)
+
+
 def test_why_not_names_each_reason(tiny_llama_path, monkeypatch):
     from ops.attention import TorchBackend
     eng = Engine(EngineConfig(model=tiny_llama_path, num_kv_blocks=16))

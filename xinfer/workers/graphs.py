@@ -192,6 +192,19 @@ class CudaMemory:
         return torch.cuda.max_memory_allocated(self.device)
 
 
+def profile_rows(config, block_size: int):
+    """The largest step's rows (--max-num-batched-tokens in prefill chunks) and the largest decode
+    graph's, as forward() takes them, each on blocks of its own from 0 (dummy token 0)."""
+    prefill, nxt = [], 0
+    for start in range(0, config.max_num_batched_tokens, config.prefill_chunk_size):
+        n = min(config.prefill_chunk_size, config.max_num_batched_tokens - start)
+        k = -(-n // block_size)
+        prefill.append((list(range(nxt, nxt + k)), 0, [0] * n))
+        nxt += k
+    decode = [([i], 0, [0]) for i in range(buckets(min(config.max_num_seqs, MAX_CAPTURE))[-1])]
+    return prefill, decode
+
+
 def profile(run, memory) -> int:
     """The peak bytes `run()` allocates beyond what is held when it starts."""
     base = memory.start()

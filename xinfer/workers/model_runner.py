@@ -138,7 +138,7 @@ class ModelRunner:
             return max(int(self.config.kv_cache_gb * (1 << 30) // per_block), 1)
         mem = graphs.CudaMemory(self.device)
         free = mem.free()
-        prefill, decode = self._profile_rows()
+        prefill, decode = graphs.profile_rows(self.config, self.block_size)
         self.num_blocks = max(sum(len(b) for b, _, _ in r) for r in (prefill, decode))
         self._alloc_kv(self.model, quiet=True)
         sample = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
@@ -154,19 +154,6 @@ class ModelRunner:
                  "KV cache %.2f GiB (--kv-fraction %.2f)", free / (1 << 30), act / (1 << 30), graph / (1 << 30),
                  budget / (1 << 30), self.config.kv_fraction)
         return max(budget // per_block, 1)
-
-    def _profile_rows(self):
-        """The largest step's rows (--max-num-batched-tokens in prefill chunks) and the largest
-        decode graph's, each on blocks of its own from 0 (dummy token 0)."""
-        c, bs = self.config, self.block_size
-        prefill, nxt = [], 0
-        for start in range(0, c.max_num_batched_tokens, c.prefill_chunk_size):
-            n = min(c.prefill_chunk_size, c.max_num_batched_tokens - start)
-            k = spec.blocks_needed(n, bs)
-            prefill.append((list(range(nxt, nxt + k)), 0, [0] * n))
-            nxt += k
-        decode = [([i], 0, [0]) for i in range(graphs.buckets(min(c.max_num_seqs, graphs.MAX_CAPTURE))[-1])]
-        return prefill, decode
 
     def _capture(self):
         cuda = self.device.type == "cuda"
