@@ -137,6 +137,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     o.add_argument("--input-len", type=int, default=16, help="prompt tokens in --batch mode")
     o.add_argument("--max-tokens", type=int, default=1024, help="tokens per sequence in --batch mode")
     o.add_argument("--temperature", type=float, default=0.6)
+    o.add_argument("--worker", choices=("inproc", "process"), default="inproc",
+                   help="the model in this process, or in a worker process as `xinfer serve` runs it (where "
+                        "overlap scheduling plans a step while the previous one runs)")
     o.add_argument("--output-dir", default="bench/results")
     o.add_argument("--result-name", default=None)
     o.add_argument("--no-plots", dest="plots", action="store_false")

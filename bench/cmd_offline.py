@@ -18,7 +18,7 @@ def run(args) -> int:
     from xinfer import Engine, SamplingParams
 
     t_load = time.perf_counter()
-    engine = Engine(engine_config(args))  # --seed seeds the engine as well as the prompts
+    engine = Engine(engine_config(args), worker=args.worker, log_level="warning")  # --seed seeds the prompts too
     t_load = time.perf_counter() - t_load
     rng = random.Random(args.seed)
     hi = min(engine.vocab_size, 10000)
@@ -74,7 +74,7 @@ def run(args) -> int:
                     "max_input_len": args.max_input_len, "min_output_len": args.min_output_len,
                     "max_output_len": args.max_output_len, "temperature": args.temperature, "seed": args.seed},
          **m,
-         "decode_graph_replays": getattr(getattr(engine.runner, "graphs", None), "replays", None),
+         "worker": args.worker, "decode_graph_replays": getattr(getattr(engine.runner, "graphs", None), "replays", None),
          "spec": {"drafts": engine.scheduler.num_draft_tokens, "accepted": engine.scheduler.num_accepted_tokens,
                   "steps": engine.scheduler.num_spec_steps},
          "output_throughput_series": stats.token_rate_series(records, duration),

@@ -55,6 +55,10 @@ class EngineConfig:
     kvcache_dtype: str = "auto"
     # GPU: share of the memory free after the weights, the activations' peak and the CUDA graphs for the KV cache
     kv_fraction: float = 0.85
+    # Plan and send the next step while this one runs (on the assumption that each sequence gets its
+    # token), so the worker never waits for the scheduler; steps with drafts, grammars or a recurrent
+    # state are planned after the previous one's result regardless
+    disable_overlap_schedule: bool = False
     enforce_eager: bool = False  # CUDA: no decode graphs (xinfer/workers/graphs.py); every step launches eagerly
     num_kv_blocks: int | None = None  # exact KV cache size in blocks (tests); overrides the two above
     enable_prefix_cache: bool = True

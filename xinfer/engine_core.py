@@ -1,7 +1,9 @@
 """The engine core: every request's state, and the step that advances them all.
 
 `EngineCore.step()` is three calls: the scheduler picks the batch (schedule), the runner runs
-it (execute), the scheduler applies the sampled tokens (update). Nothing here knows about
+it (submit, collect), the scheduler applies the sampled tokens (update). With overlap (the
+default), the next step is planned and sent before this one's result is read, so the worker
+never waits for the scheduler between steps. Nothing here knows about
 text, sockets or processes: the offline `Engine` (xinfer/engine.py) and the serving process
 (`EngineCoreProc`, xinfer/engine_core_proc.py) both drive this same object.
 
@@ -70,6 +72,7 @@ class EngineCore:
         # constrained requests whose grammar compiles (off the loop): (future, choices, deadline)
         self._compiling: list[tuple[concurrent.futures.Future, list[Sequence], float]] = []
         self.finished: OrderedDict[int, Sequence] = OrderedDict()
+        self._pending = None  # the step sent ahead (overlap), whose result the next step() reads
         self.num_prompt_tokens = self.num_generation_tokens = self.num_cached_prompt_tokens = 0
 
     # ---- requests ----
@@ -103,7 +106,7 @@ class EngineCore:
         self._remember(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._zero) or bool(self._compiling)
+        return self.scheduler.has_work() or bool(self._zero) or bool(self._compiling) or self._pending is not None
 
     # ---- structured outputs ----
     def _drop_compiling(self, seq_id: int) -> Sequence | None:
@@ -178,18 +181,40 @@ class EngineCore:
         self._zero = []
         if self._compiling:
             out += self._admit_compiled()
-        if not self.scheduler.has_work():
-            return out
-        plan = self.scheduler.schedule()
-        self._masks(plan)
+        plan, self._pending = self._pending, None
+        if plan is None:
+            if not self.scheduler.has_work():
+                return out
+            plan = self.scheduler.schedule()
+            self._masks(plan)
+            try:
+                self.runner.submit(plan)
+            except WorkerDied as e:
+                self.recover(e)
+                return out + self._strike(plan, f"the model worker died running it ({e})")
+        ahead = None
         try:
-            result = self.runner.execute(plan)
+            if not self.config.disable_overlap_schedule and self.scheduler.can_schedule_ahead():
+                ahead = self.scheduler.schedule(ahead=True)
+                if ahead.scheduled or ahead.new_seqs or ahead.dropped:
+                    self._masks(ahead)
+                    self.runner.submit(ahead)
+                else:
+                    self.scheduler.cancel(ahead)
+                    ahead = None
+            result = self.runner.collect()
         except WorkerDied as e:
             self.recover(e)
             return out + self._strike(plan, f"the model worker died running it ({e})")
         if result.error is not None:  # the worker lives on; its batch is gone: recompute everything
+            if ahead is not None:
+                try:
+                    self.runner.collect()  # the step sent ahead failed too, on a batch that was gone
+                except WorkerDied as e:
+                    self.recover(e)
             self.scheduler.reset_worker_state()
             return out + self._strike(plan, f"the model step failed ({result.error})")
+        self._pending = ahead
         for seq, toks in self.scheduler.update(result):
             if seq.grammar is not None:  # a constrained sequence never speculates: one token
                 self._advance_grammar(seq, toks[0] if toks else None)
@@ -281,6 +306,7 @@ class EngineCore:
             self.restart_budget.record("xinfer::worker-0", str(err))
             log.warning("model worker died (%s); restarting it and recomputing %d sequences", err,
                         len(self.scheduler.running))
+            self._pending = None
             self.scheduler.reset_worker_state()
             try:
                 self.runner.restart()

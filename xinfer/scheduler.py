@@ -87,6 +87,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.seqs: dict[int, Sequence] = {}
         self._dropped: list[int] = []
+        self._inflight: deque[list] = deque()  # each step sent and not yet updated: (seq, n, blocks, k, drafts)
         self._step = 0
         self.num_preemptions = 0
         # Sequences that were in a failed step run alone, one at a time, until each has sampled a
@@ -113,7 +114,19 @@ class Scheduler:
         return seq
 
     # ---- scheduling ----
-    def schedule(self) -> StepPlan:
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next step can be planned while the one in flight runs (overlap): only when
+        no sequence needs that step's tokens to plan it (drafts, grammar masks, a recurrent state,
+        a suspect running alone) and one step at most is in flight."""
+        return (len(self._inflight) == 1 and self.spec_method is None and self.slots is None and not self.suspects
+                and not any(s.grammar is not None for q in (self.running, self.waiting) for s in q))
+
+    def schedule(self, ahead: bool = False) -> StepPlan:
+        """`ahead`: while the step in flight runs (can_schedule_ahead), on the assumption that each
+        of its sampling sequences gets one token; one that surely ends there (its max_tokens, the
+        context) is left out, one that ends on a stop token computes one token for nothing, and no
+        sequence is preempted (what does not fit waits a step)."""
+        prev = {s.seq_id: n for s, n, *_ in self._inflight[-1]} if ahead else {}
         budget = self.config.max_num_batched_tokens
         chunk = self.config.prefill_chunk_size
         scheduled: list[tuple[Sequence, int, list[int], int, bytes]] = []  # seq, tokens, blocks, drafts
@@ -132,9 +145,15 @@ class Scheduler:
             if alone is not None and seq is not alone:
                 i += 1
                 continue
-            n = min(seq.num_tokens - seq.num_computed, chunk, budget)
+            computed, total = seq.num_computed + prev.get(seq.seq_id, 0), seq.num_tokens
+            if computed == total and seq.seq_id in prev:  # it samples in the step in flight
+                if len(seq.output_ids) + 1 >= seq.max_tokens or total + 1 >= self.max_model_len:
+                    i += 1
+                    continue
+                total += 1
+            n = min(total - computed, chunk, budget)
             if seq.images:  # Gemma 3's images are computed in one chunk each
-                n = whole_images(seq.images, seq.num_computed, n)
+                n = whole_images(seq.images, computed, n)
             drafts = self._drafts(seq, budget) if speculate else None
             if drafts is not None:
                 k = len(drafts) if self.spec_method == "ngram" else seq.spec_k or self.config.num_speculative_tokens
@@ -145,8 +164,8 @@ class Scheduler:
                     budget -= 1 + k
                     i += 1
                     continue
-            new_blocks = self._grow(seq, n)
-            while new_blocks is None:  # out of blocks: preempt from the back until this one fits
+            new_blocks = self._grow(seq, n, computed)
+            while new_blocks is None and not ahead:  # out of blocks: preempt from the back until this one fits
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
@@ -198,8 +217,14 @@ class Scheduler:
         plan = StepPlan(self._step, new_seqs, [Scheduled(s.seq_id, n, b, k, d) for s, n, b, k, d in scheduled],
                         self._dropped, **states)
         self._dropped = []
-        self._inflight = scheduled
+        self._inflight.append(scheduled)
         return plan
+
+    def cancel(self, plan: StepPlan) -> None:
+        """Take back the last plan, unsent: it had nothing to do (an ahead plan whose sequences all end)."""
+        assert not (plan.scheduled or plan.new_seqs or plan.dropped) and plan.step_id == self._step
+        self._inflight.pop()
+        self._step -= 1
 
     def _drafts(self, seq: Sequence, budget: int) -> list[int] | None:
         """A decoding sequence's n-gram drafts ([] for the draft model's: the worker proposes them);
@@ -212,9 +237,11 @@ class Scheduler:
         c = self.config
         return spec.ngram_propose(seq.tokens, seq.spec_k or c.num_speculative_tokens, c.ngram_min, c.ngram_max) or None
 
-    def _grow(self, seq: Sequence, n: int) -> list[int] | None:
-        """Blocks so that `n` more tokens fit; None when the cache can't give them."""
-        need = -(-(seq.num_computed + n) // self.bm.block_size) - len(seq.block_ids)
+    def _grow(self, seq: Sequence, n: int, computed: int | None = None) -> list[int] | None:
+        """Blocks so that `n` more tokens fit after `computed` (default: what it has computed);
+        None when the cache can't give them."""
+        computed = seq.num_computed if computed is None else computed
+        need = -(-(computed + n) // self.bm.block_size) - len(seq.block_ids)
         if need <= 0:
             return []
         got = self.bm.allocate(need)
@@ -267,7 +294,7 @@ class Scheduler:
     def reset_worker_state(self) -> None:
         """The worker and its KV cache are gone: every sequence will be recomputed from its
         tokens (running ones first, in their order), and no cached block is valid any more."""
-        self._inflight = []
+        self._inflight.clear()
         self._dropped = []
         for seq in reversed(self.running):
             self._release(seq)
@@ -289,7 +316,7 @@ class Scheduler:
         flat, new, at = unpack_ids(result.token_ids), {}, 0
         for sid, c in zip(result.seq_ids, counts):
             new[sid], at = (at, flat[at:at + c]), at + c
-        for seq, n, _, k, _ in self._inflight:
+        for seq, n, _, k, _ in self._inflight.popleft():
             if seq.status == RUNNING:
                 seq.num_computed += n
                 if k:  # the accepted drafts' KV is kept; blocks past the last valid token go back
@@ -305,7 +332,6 @@ class Scheduler:
                     self.bm.release(seq.block_ids[keep:])
                     del seq.block_ids[keep:]
                 self._register_full_blocks(seq)
-        self._inflight = []
         if self.slots is not None:
             self.slots.commit()
         for sid, first, entries in result.prompt_logprobs:

@@ -2,6 +2,7 @@
 and turns each StepPlan into one forward pass and one batched sampling call."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 from pathlib import Path
@@ -98,6 +99,7 @@ class ModelRunner:
         if self.graph_why is not None and self.device.type == "cuda":
             log.info("decode steps run eagerly: %s", self.graph_why)
         self.seqs: dict[int, WorkerSeq] = {}
+        self._sent: collections.deque[StepPlan] = collections.deque()
         if config.kvcache_dtype.startswith("turbo"):
             self._calibrate_key_shift(info)
         # a vision-language model: images' positions, encoder runs and embeddings (xinfer/workers/mm.py)
@@ -199,6 +201,13 @@ class ModelRunner:
 
     def restart(self) -> None:
         self.seqs.clear()  # in-process: nothing died; the recompute refills the batch
+        self._sent.clear()
+
+    def submit(self, plan: StepPlan) -> None:
+        self._sent.append(plan)  # in-process, a step runs when its result is asked for
+
+    def collect(self) -> StepResult:
+        return self.execute(self._sent.popleft())
 
     def dead(self) -> str | None:
         return None

@@ -24,9 +24,12 @@ class Runner(Protocol):
     num_blocks: int  # the KV cache's size, chosen by the runner once the weights are loaded
     restarts: int
 
-    def execute(self, plan: StepPlan) -> StepResult:
-        """Run one step; raises WorkerDied if the model is gone. A step that raised comes back with
-        `error` set and the runner's batch cleared."""
+    def submit(self, plan: StepPlan) -> None:
+        """Send one step to run after those already sent; raises WorkerDied if the model is gone."""
+
+    def collect(self) -> StepResult:
+        """The result of the oldest step sent and not yet collected; raises WorkerDied if the model
+        is gone. A step that raised comes back with `error` set and the runner's batch cleared."""
 
     def restart(self) -> None:
         """A fresh model state (same KV cache size); raises WorkerDied if it cannot start."""

@@ -7,6 +7,7 @@ scheduler recomputes the lost state from the tokens it holds.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import multiprocessing as mp
 import os
@@ -170,6 +171,7 @@ class ProcessRunner:
         self.generation = 0
         self.restarts = 0
         self.ranks: Ranks | None = None
+        self._sent: collections.deque[int] = collections.deque()  # step ids sent, results not yet read
         self._codec = Codec(StepResult | WorkerReady)
         self._enc = msgspec.msgpack.Encoder()
         self.net = None
@@ -229,13 +231,19 @@ class ProcessRunner:
                     raise WorkerDied(f"the worker ranks did not start within --startup-timeout "
                                      f"{self.startup_timeout:g}s{nodes}") from None
 
-    def execute(self, plan: StepPlan) -> StepResult:
-        ranks = self.ranks
+    def submit(self, plan: StepPlan) -> None:
         try:
             frame = self._enc.encode(plan)
-            ranks.plans.write(frame)
-            if self.net is not None:
-                self.net.plan(self.generation, frame)
+            self.ranks.plans.write(frame)
+        except PeerDied as e:
+            raise WorkerDied(str(e)) from None
+        if self.net is not None:
+            self.net.plan(self.generation, frame)
+        self._sent.append(plan.step_id)
+
+    def collect(self) -> StepResult:
+        ranks, step = self.ranks, self._sent.popleft()
+        try:
             while True:  # rank 0 answers; another rank's death would leave it waiting in a collective
                 try:
                     single = len(ranks.procs) == 1 and self.net is None
@@ -247,8 +255,8 @@ class ProcessRunner:
                         raise WorkerDied(why) from None
         except PeerDied as e:
             raise WorkerDied(str(e)) from None
-        if not isinstance(result, StepResult) or result.step_id != plan.step_id:
-            raise WorkerDied(f"the worker answered step {plan.step_id} with {result!r:.80}")
+        if not isinstance(result, StepResult) or result.step_id != step:
+            raise WorkerDied(f"the worker answered step {step} with {result!r:.80}")
         return result
 
     def dead(self) -> str | None:
@@ -260,6 +268,7 @@ class ProcessRunner:
         self._start()
 
     def _teardown(self) -> None:
+        self._sent.clear()
         if self.net is not None:
             self.net.stop(self.generation)
         if self.ranks is not None:
