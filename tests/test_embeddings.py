@@ -54,7 +54,7 @@ def test_mean_pooling_survives_a_preemption_mid_prompt(tiny_llama_path):
     from xinfer import Engine, EngineConfig
     # one step at a time: a step planned ahead never preempts (the second prompt would wait instead)
     e = Engine(EngineConfig(model=tiny_llama_path, num_kv_blocks=5, prefill_chunk_size=16, pooling="mean",
-                            disable_overlap_schedule=True))
+                            overlap_schedule="off"))
     try:
         prompts = [LONG, LONG[::-1]]
         got = e.embed(prompts)

@@ -33,9 +33,9 @@ def _tokens(tiny_llama_path, **kw):
 
 
 def test_overlap_gives_the_tokens_of_one_step_at_a_time(tiny_llama_path):
-    want, events, _ = _tokens(tiny_llama_path, num_kv_blocks=64, disable_overlap_schedule=True)
+    want, events, _ = _tokens(tiny_llama_path, num_kv_blocks=64, overlap_schedule="off")
     assert all(a == ("submit", i) and b == ("collect", i) for i, (a, b) in enumerate(zip(events[::2], events[1::2]), 1))
-    got, events, e = _tokens(tiny_llama_path, num_kv_blocks=64)
+    got, events, e = _tokens(tiny_llama_path, num_kv_blocks=64, overlap_schedule="on")
     assert got == want
     assert want[3][1] == "stop" and len(want[3][0]) == 5 and want[4][1] == "length"
     # steady state: step N + 1 goes out before step N's result is read
@@ -46,8 +46,8 @@ def test_overlap_gives_the_tokens_of_one_step_at_a_time(tiny_llama_path):
 def test_overlap_under_a_small_cache_preempts_only_in_step(tiny_llama_path):
     """12 blocks of 4 tokens for 6 requests: sequences wait or are preempted and recomputed; the
     tokens stay those of the engine without overlap."""
-    want, _, _ = _tokens(tiny_llama_path, num_kv_blocks=12, disable_overlap_schedule=True)
-    got, _, e = _tokens(tiny_llama_path, num_kv_blocks=12)
+    want, _, _ = _tokens(tiny_llama_path, num_kv_blocks=12, overlap_schedule="off")
+    got, _, e = _tokens(tiny_llama_path, num_kv_blocks=12, overlap_schedule="on")
     assert got == want
     assert e.scheduler.num_preemptions > 0
 
@@ -69,3 +69,41 @@ def test_ahead_leaves_out_what_surely_ends_and_assumes_one_token():
     s.update(StepResult(ahead.step_id, [2], pack_ids([9])))
     assert b.output_ids == [8, 9] and b.num_computed == 5
     s.bm.check_integrity()
+
+
+def test_overlap_is_on_with_cuda_by_default():
+    from xinfer.config import EngineConfig as C
+    assert C(device="cpu").resolve({}).overlap_schedule == "off"
+    assert C(device="cuda").resolve({}).overlap_schedule == "on"
+    assert C(device="cpu", overlap_schedule="on").resolve({}).overlap_schedule == "on"
+    import pytest
+    with pytest.raises(ValueError, match="--overlap-schedule"):
+        C(overlap_schedule="yes")
+
+
+def test_overlap_with_a_worker_process_survives_its_death(tiny_llama_path):
+    """Serving's shape: the worker in its own process, steps sent ahead through the rings. kill -9 of
+    the worker with a step in flight and one sent ahead: both are lost, every sequence is recomputed
+    and ends with the tokens of one step at a time."""
+    import os
+    import signal
+    want, _, _ = _tokens(tiny_llama_path, num_kv_blocks=64, overlap_schedule="off")
+    e = Engine(EngineConfig(model=tiny_llama_path, block_size=4, num_kv_blocks=64, overlap_schedule="on"),
+               worker="process", log_level="warning")
+    try:
+        assert [(o.token_ids, o.finish_reason) for o in e.generate(PROMPTS, PARAMS)] == want
+        ids = [e.add_request(p, q)[0] for p, q in zip(PROMPTS, PARAMS)]
+        toks, reasons, steps = {i: [] for i in ids}, {}, 0
+        while e.has_unfinished():
+            if steps == 3:
+                assert e.core._pending is not None  # a step was sent ahead when the worker died
+                os.kill(e.runner.proc.pid, signal.SIGKILL)
+            for d in e.step():
+                toks[d.seq_id].extend(d.token_ids)
+                if d.finish_reason:
+                    reasons[d.seq_id] = d.finish_reason
+            steps += 1
+        assert [(toks[i], reasons[i]) for i in ids] == want and e.runner.restarts == 1
+        e.blocks.check_integrity()
+    finally:
+        e.close()

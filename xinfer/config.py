@@ -55,10 +55,11 @@ class EngineConfig:
     kvcache_dtype: str = "auto"
     # GPU: share of the memory free after the weights, the activations' peak and the CUDA graphs for the KV cache
     kv_fraction: float = 0.85
-    # Plan and send the next step while this one runs (on the assumption that each sequence gets its
-    # token), so the worker never waits for the scheduler; steps with drafts, grammars or a recurrent
-    # state are planned after the previous one's result regardless
-    disable_overlap_schedule: bool = False
+    # on: plan and send the next step while this one runs (on the assumption that each sequence gets
+    # its token), so the worker never waits for the scheduler; steps with drafts, grammars or a
+    # recurrent state are planned after the previous one's result regardless. auto: on with CUDA (off
+    # on a CPU, where a step dwarfs the scheduler's time: measured 1.00x at 16 clients, 0.97x at 64)
+    overlap_schedule: str = "auto"
     enforce_eager: bool = False  # CUDA: no decode graphs (xinfer/workers/graphs.py); every step launches eagerly
     num_kv_blocks: int | None = None  # exact KV cache size in blocks (tests); overrides the two above
     enable_prefix_cache: bool = True
@@ -142,6 +143,8 @@ class EngineConfig:
             raise ValueError(f"--cpu-matmul must be auto, float32 or bfloat16, got {self.cpu_matmul!r}")
         if not 0 < self.kv_fraction <= 1:
             raise ValueError(f"--kv-fraction must be in (0, 1], got {self.kv_fraction}")
+        if self.overlap_schedule not in ("auto", "on", "off"):
+            raise ValueError(f"--overlap-schedule must be auto, on or off, got {self.overlap_schedule!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"--load-format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.num_speculative_tokens == 0 and (self.draft_model or self.speculative_method):
@@ -211,6 +214,8 @@ class EngineConfig:
         if self.device == "auto":
             import torch
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.overlap_schedule == "auto":
+            self.overlap_schedule = "on" if self.device.startswith("cuda") else "off"
         fast = self.dtype == "auto"
         if self.dtype == "auto":
             self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"

@@ -1,8 +1,8 @@
 """The engine core: every request's state, and the step that advances them all.
 
 `EngineCore.step()` is three calls: the scheduler picks the batch (schedule), the runner runs
-it (submit, collect), the scheduler applies the sampled tokens (update). With overlap (the
-default), the next step is planned and sent before this one's result is read, so the worker
+it (submit, collect), the scheduler applies the sampled tokens (update). With overlap (on CUDA
+by default), the next step is planned and sent before this one's result is read, so the worker
 never waits for the scheduler between steps. Nothing here knows about
 text, sockets or processes: the offline `Engine` (xinfer/engine.py) and the serving process
 (`EngineCoreProc`, xinfer/engine_core_proc.py) both drive this same object.
@@ -194,7 +194,7 @@ class EngineCore:
                 return out + self._strike(plan, f"the model worker died running it ({e})")
         ahead = None
         try:
-            if not self.config.disable_overlap_schedule and self.scheduler.can_schedule_ahead():
+            if self.config.overlap_schedule == "on" and self.scheduler.can_schedule_ahead():
                 ahead = self.scheduler.schedule(ahead=True)
                 if ahead.scheduled or ahead.new_seqs or ahead.dropped:
                     self._masks(ahead)
