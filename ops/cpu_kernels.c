@@ -651,8 +651,9 @@ static void attend_chunk(const float *qh, const xq_kv *kc, const xq_kv *vc, cons
 
 // Every KV head of one sequence over its positions t0 .. t1 - 1, chunk by chunk with the heads inner:
 // a chunk's tokens hold all their heads side by side ([bs, Hkv, D] blocks), so each block is read
-// from memory in one sweep rather than once a head, Hkv * D * 4 bytes apart (1.3-1.6x at 64
-// sequences). o(h), mx(h), sum(h): where KV head h's G query heads keep their state.
+// from memory in one sweep rather than once a head, a row apart (xinfer-bench attention: 1.1x in
+// float32, 1.5x with fp8 at 16 x 512). o[h], mx[h], sum[h]: where KV head h's G query heads keep
+// their state.
 static void attend_range(const float *q, const xq_kv *kc, const xq_kv *vc, const int32_t *tab, int t0, int t1,
                          int G, int Hkv, int D, int bs, float scale, float softcap, float *const *o,
                          float *const *mx, float *const *sum) {
