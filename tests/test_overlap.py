@@ -107,3 +107,37 @@ def test_overlap_with_a_worker_process_survives_its_death(tiny_llama_path):
         e.blocks.check_integrity()
     finally:
         e.close()
+
+
+def test_served_with_overlap_streams_stops_and_aborts():
+    """`xinfer serve --overlap-schedule on` on the bundled model: concurrent streams (one ending on a
+    stop string, one dropped by its client mid-stream) all end as they would one step at a time,
+    and the server serves the next request."""
+    import concurrent.futures
+
+    import openai
+    from tests.conftest import start_server, stop_server
+    proc, base, _ = start_server("--kv-cache-gb", "0.2", "--overlap-schedule", "on")
+    try:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x")
+        msgs = [[{"role": "user", "content": f"Count from {i} to {i + 20}, one number a line."}] for i in range(4)]
+
+        def chat(i):
+            kw = {"stop": ["\n"]} if i == 1 else {}
+            if i == 2:  # the client leaves after a few chunks
+                with client.chat.completions.create(model="m", messages=msgs[i], max_tokens=60, temperature=0,
+                                                    stream=True) as s:
+                    for n, _ in enumerate(s):
+                        if n == 3:
+                            break
+                return None
+            r = client.chat.completions.create(model="m", messages=msgs[i], max_tokens=40, temperature=0, **kw)
+            return r.choices[0].message.content, r.choices[0].finish_reason
+        with concurrent.futures.ThreadPoolExecutor(4) as ex:
+            got = list(ex.map(chat, range(4)))
+        want = [client.chat.completions.create(model="m", messages=msgs[i], max_tokens=40, temperature=0,
+                                               **({"stop": ["\n"]} if i == 1 else {})) for i in (0, 1, 3)]
+        assert [got[i] for i in (0, 1, 3)] == [(r.choices[0].message.content, r.choices[0].finish_reason) for r in want]
+        assert got[1][1] == "stop" and "\n" not in got[1][0]
+    finally:
+        stop_server(proc)

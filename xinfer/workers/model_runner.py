@@ -151,6 +151,7 @@ class ModelRunner:
         graph = graphs.profile(lambda: run(decode), mem) if self.graph_why is None else 0
         for layer in self.model.attention_layers():
             layer.k_cache = layer.v_cache = None
+        torch.cuda.empty_cache()  # the temporary cache's memory back to the device, for the real one
         budget = graphs.kv_budget(free, act, graph, self.config.kv_fraction)
         log.info("device memory: %.2f GiB free after the weights, activations %.2f GiB, decode graphs %.2f GiB; "
                  "KV cache %.2f GiB (--kv-fraction %.2f)", free / (1 << 30), act / (1 << 30), graph / (1 << 30),
