@@ -156,6 +156,13 @@ class DecodeGraphs:
         return out[:n]
 
 
+def capture(model, backend, device: torch.device, config) -> DecodeGraphs:
+    """A runner's decode graphs: real ones on CUDA, the stand-in elsewhere (XINFER_CPU_GRAPHS=1)."""
+    width = -(-(config.max_model_len or model.cfg.get("_max_positions") or 4096) // config.block_size)
+    return DecodeGraphs(model, backend, device, config.block_size, config.max_num_seqs, width,
+                        CudaCapturer(device) if device.type == "cuda" else Rerun())
+
+
 def _span(sizes: list[int]) -> str:
     return f"{sizes[0]}..{sizes[-1]} ({len(sizes)} sizes)"
 

@@ -95,7 +95,7 @@ class ModelRunner:
                      config.max_num_seqs, snaps, nbytes / (1 << 30))
         if self.drafter is not None:
             self._alloc_kv(self.drafter.model)  # a draft model or the MTP head
-        self.graphs = self._capture() if self.graph_why is None else None
+        self.graphs = graphs.capture(self.model, self.backend, self.device, config) if self.graph_why is None else None
         if self.graph_why is not None and self.device.type == "cuda":
             log.info("decode steps run eagerly: %s", self.graph_why)
         self.seqs: dict[int, WorkerSeq] = {}
@@ -157,13 +157,6 @@ class ModelRunner:
                  "KV cache %.2f GiB (--kv-fraction %.2f)", free / (1 << 30), act / (1 << 30), graph / (1 << 30),
                  budget / (1 << 30), self.config.kv_fraction)
         return max(budget // per_block, 1)
-
-    def _capture(self):
-        cuda = self.device.type == "cuda"
-        width = spec.blocks_needed(self.config.max_model_len or self.model.cfg.get("_max_positions") or 4096,
-                                   self.block_size)
-        return graphs.DecodeGraphs(self.model, self.backend, self.device, self.block_size, self.config.max_num_seqs,
-                                   width, graphs.CudaCapturer(self.device) if cuda else graphs.Rerun())
 
     def _alloc_kv(self, model, quiet: bool = False):
         dtype = kv_quant.storage_dtype(self.config.kvcache_dtype, self.dtype)
