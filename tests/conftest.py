@@ -7,6 +7,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # keep float32 matmuls; tests/test_cpu_paths.py judges the bfloat16 path against them by its budget.
 os.environ.setdefault("XINFER_CPU_ISA", "avx512_vnni")
 
+import signal  # noqa: E402
+
+# A runner started in the background of a non-interactive shell starts with SIGINT ignored, which
+# children inherit through exec: the Ctrl-C tests need it delivered, as in a terminal.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 import shutil  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
