@@ -126,6 +126,8 @@ class Scheduler:
         of its sampling sequences gets one token; one that surely ends there (its max_tokens, the
         context) is left out, one that ends on a stop token computes one token for nothing, and no
         sequence is preempted (what does not fit waits a step)."""
+        if not ahead:  # planned in order, nothing is in flight: drop what a step cut short (Ctrl-C) left
+            self._inflight.clear()
         prev = {s.seq_id: n for s, n, *_ in self._inflight[-1]} if ahead else {}
         budget = self.config.max_num_batched_tokens
         chunk = self.config.prefill_chunk_size
