@@ -194,7 +194,7 @@ def _nucleus_of(probs, b: SamplingBatch, cand: int):
     limited = b.top_k < V if b.top_k is not None else torch.zeros(len(probs), dtype=torch.bool, device=probs.device)
     kept = vals if b.top_k is None else _cut(vals, b.top_k, None)
     mass = torch.where(limited[:, None], kept.sum(dim=-1, keepdim=True), probs.sum(dim=-1, keepdim=True))
-    cut = _cut(vals, b.top_k, b.top_p, mass)
+    cut = _cut(kept, None, b.top_p, mass)
     out = torch.zeros_like(probs).scatter_(1, order, cut)
     if b.top_p is None:
         return torch.where(limited[:, None], out, probs)

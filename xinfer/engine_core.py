@@ -182,18 +182,14 @@ class EngineCore:
         if self._compiling:
             out += self._admit_compiled()
         plan, self._pending = self._pending, None
-        if plan is None:
-            if not self.scheduler.has_work():
-                return out
-            plan = self.scheduler.schedule()
-            self._masks(plan)
-            try:
-                self.runner.submit(plan)
-            except WorkerDied as e:
-                self.recover(e)
-                return out + self._strike(plan, f"the model worker died running it ({e})")
+        if plan is None and not self.scheduler.has_work():
+            return out
         ahead = None
         try:
+            if plan is None:
+                plan = self.scheduler.schedule()
+                self._masks(plan)
+                self.runner.submit(plan)
             if self.config.overlap_schedule == "on" and self.scheduler.can_schedule_ahead():
                 ahead = self.scheduler.schedule(ahead=True)
                 if ahead.scheduled or ahead.new_seqs or ahead.dropped:

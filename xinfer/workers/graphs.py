@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ops.attention import AttnMetadata, set_context
+from xinfer import envs
 
 log = logging.getLogger("xinfer.graphs")
 GiB = 1 << 30
@@ -44,7 +45,7 @@ def why_not(config, model, backend, device) -> str | None:
     """Why this runner's decode steps cannot run as graphs, or None when they can."""
     if config.enforce_eager:
         return "--enforce-eager"
-    if device.type != "cuda" and not _cpu_graphs():
+    if device.type != "cuda" and not envs.cpu_graphs():
         return "not on a CUDA device"
     if backend.name != "triton":  # its kernels read every per-step value from device tensors
         return f"the {backend.name} attention backend plans on the host each step (graphs need triton)"
@@ -57,11 +58,6 @@ def why_not(config, model, backend, device) -> str | None:
     if config.kvcache_dtype.startswith("turbo"):
         return "turbo KV caches are stored by torch with data-dependent shapes"
     return None
-
-
-def _cpu_graphs() -> bool:
-    from xinfer import envs
-    return envs.cpu_graphs()
 
 
 class CudaCapturer:

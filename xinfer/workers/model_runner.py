@@ -172,7 +172,7 @@ class ModelRunner:
         n = sum(1 if getattr(ly, "kv_shared", False) else 2 for ly in layers)
         if not quiet:
             log.info("KV cache: %d blocks of %d tokens, %d tokens in all, %s (%.2f GiB)", self.num_blocks,
-                 self.block_size, self.num_blocks * self.block_size, str(dtype).removeprefix("torch."),
+                     self.block_size, self.num_blocks * self.block_size, str(dtype).removeprefix("torch."),
                      n * np.prod(shape[:-1]) * kv_quant.head_bytes(a.head_dim, dtype) / (1 << 30))
 
     @torch.inference_mode()
