@@ -94,6 +94,7 @@ def write_checkpoint(config: dict, state: dict, dst: Path, qc: dict, convert) ->
 def weight_bytes(model) -> int:
     """Bytes of every weight tensor the model holds: parameters, GGUF blocks (MoE experts': a list
     per part), bfloat16 copies; each storage once."""
+    from ops.linear import nbytes
     from ops.quant import QuantWeight
     found = [p.data for p in model.parameters()]
     for mod in model.modules():
@@ -102,7 +103,8 @@ def weight_bytes(model) -> int:
             found += [t for v in parts for q in (v if isinstance(v, list) else [v]) if isinstance(q, QuantWeight)
                       for t in (q.qs, q.d, q.m)]
         found += [getattr(mod, "fast", None), getattr(mod, "head_fast", None)]
-    dense = {t.data_ptr(): t.numel() * t.element_size() for t in found if isinstance(t, torch.Tensor) and t.numel()}
+    found = [t for t in found if isinstance(t, torch.Tensor) and t.numel()]
+    dense = {id(t) if t.is_mkldnn else t.data_ptr(): nbytes(t) for t in found}
     return sum(dense.values())
 
 

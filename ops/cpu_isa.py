@@ -72,5 +72,5 @@ def describe(matmul: str, blocks: bool, bf16_dots: bool = False) -> str:
         else "float32 GEMMs (oneDNN)"
     from ops.quant import max_rows
     dots = " (bfloat16 dot products)" if matmul == "bfloat16" and bf16_dots else ""
-    small = f"GGUF block kernels{dots} up to {max_rows(matmul == 'bfloat16')} rows, then " if blocks else ""
+    small = f"GGUF block kernels{dots} up to {max_rows()} rows, then " if blocks else ""
     return f"cpu {level()}: decode {small}{big}; batched decode and prefill: {big}"

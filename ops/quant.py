@@ -22,13 +22,13 @@ from ops.cpu_kernels import lib
 from xinfer.loader.gguf_file import BLOCK_TYPES
 from xinfer import envs
 
-def max_rows(bf16: bool) -> int:
-    """Where the block kernels stop paying: float32 GEMMs catch up at ~16-24 rows, bfloat16 ones at
-    ~24-32 since the kernels read each weight row once a call (2-core Zen 4, bench/NOTES-cpu.md)."""
-    return envs.quant_max_rows() or (24 if bf16 else 16)
+def max_rows() -> int:
+    """Where the block kernels stop paying: float32 GEMMs catch up at ~16-24 rows, bfloat16 ones on
+    prepacked weights at 16-20 (2-core Zen 4, bench/NOTES-cpu.md)."""
+    return envs.quant_max_rows() or 16
 
 
-MAX_ROWS = max_rows(False)
+MAX_ROWS = max_rows()
 
 
 _ONE, _ZERO = np.array([1.0], np.float16).view(np.uint8), np.zeros(2, np.uint8)

@@ -147,3 +147,20 @@ def test_bf16_mlp_chain_matches_the_float32_round_trip():
     mlp.down_proj.blocks = lambda t: seen.append(t.dtype) or F.linear(t, mlp.down_proj.weight)
     mlp(x[:4])  # a few rows: the down projection's blocks take them, in float32
     assert seen == [torch.float32]
+
+
+def test_packed_bf16_weight_gives_the_plain_bf16_product():
+    """The bfloat16 copy is packed once into oneDNN's layout (where oneDNN is on): the product is
+    the plain bfloat16 GEMM's, for 2-D and 3-D activations and an empty batch."""
+    import torch.nn.functional as F
+
+    from ops import linear as lin
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 64), torch.randn(96)
+    packed = lin.pack_bf16(w)
+    assert packed.is_mkldnn == lin._ONEDNN and packed.shape == w.shape and packed.dtype == torch.bfloat16
+    assert lin.nbytes(packed) == w.numel() * 2
+    for x in (torch.randn(40, 64), torch.randn(5, 8, 64)):
+        want = F.linear(x.to(torch.bfloat16), w.to(torch.bfloat16)).float() + b
+        assert torch.equal(lin.linear(x, w, b, fast=packed), want)
+    assert lin.linear(torch.randn(0, 64), w, fast=packed).shape == (0, 96)

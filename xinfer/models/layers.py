@@ -11,7 +11,7 @@ from torch import nn
 
 from ops import triton_fused
 from ops.attention import attend
-from ops.linear import linear
+from ops.linear import linear, pack_bf16
 from ops.norm import RMSNorm
 from ops.quant import QuantWeight
 from ops.rotary import RotaryEmbedding
@@ -293,7 +293,7 @@ def attach_bf16(model: nn.Module) -> int:
     n = 0
     for mod in model.modules():
         if isinstance(mod, Linear):
-            mod.fast = mod.weight.data.to(torch.bfloat16)
+            mod.fast = pack_bf16(mod.weight.data)
             if mod.blocks is not None:
                 mod.weight.data = torch.empty(0, dtype=mod.weight.dtype)
                 mod.blocks.bf16 = True
@@ -301,7 +301,7 @@ def attach_bf16(model: nn.Module) -> int:
     if not tp.last_stage():  # pipeline parallel: the head is on the last stage
         return n
     head = model.model.embed_tokens.weight if model.tied else model.lm_head.weight
-    model.head_fast = head.data.to(torch.bfloat16)
+    model.head_fast = pack_bf16(head.data)
     if getattr(model, "head_blocks", None) is not None:
         model.head_blocks.bf16 = True
     return n

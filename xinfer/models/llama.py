@@ -150,7 +150,7 @@ class LlamaForCausalLM(nn.Module):
         if tp.stages() > 1:
             return self._stage_forward(input_ids, positions)
         meta, backend = context()
-        if (meta is not None and input_ids.shape[0] <= max_rows(self.head_fast is not None) and meta.row_decode() is not None
+        if (meta is not None and input_ids.shape[0] <= max_rows() and meta.row_decode() is not None
                 and backend.name == "torch" and input_ids.device.type == "cpu"):
             dec = self.cpu_decoder()
             if dec is not None:

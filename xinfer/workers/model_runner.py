@@ -118,7 +118,7 @@ class ModelRunner:
             n = attach_blocks(model, ((name, QuantWeight.from_gguf(*b)) for name, *b in info.gguf.quantized_blocks(getattr(model, "keeps", None))),
                               model.remap)
             log.info("GGUF blocks kept for %d weights (batches of up to %d rows read them)", n,
-                     max_rows(self.config.cpu_matmul == "bfloat16"))
+                     max_rows())
         elif self.config.isq and kernels:
             if info.kind == "gguf":
                 log.info("--isq %s: %s is a GGUF file, its own tensor types stay", self.config.isq, info.name)
@@ -127,7 +127,7 @@ class ModelRunner:
         elif ckpt_blocks:
             n = attach_blocks(model, ckpt_blocks, model.remap)
             log.info("%s: %d of %d quantized weights read in place by the block kernels (batches of up to %d rows)",
-                     info.quant.method, n, len(ckpt_blocks), max_rows(self.config.cpu_matmul == "bfloat16"))
+                     info.quant.method, n, len(ckpt_blocks), max_rows())
         if self.device.type == "cpu" and self.config.cpu_matmul == "bfloat16":
             attach_bf16(model)
         return model
