@@ -6,8 +6,9 @@ XINFER_ONEDNN=0 goes back to MKL for comparisons. A weight that also has GGUF bl
 (ops/quant.py) sends small batches to the quantized kernels, which read a fraction of the bytes;
 with --cpu-matmul bfloat16 the rest runs on a bfloat16 copy of the weight (activations rounded to
 bfloat16, float32 accumulation and output): 2-6x float32's GEMM speed on AVX512_BF16 (bench/NOTES-cpu.md).
-That copy is packed once into oneDNN's own layout (`pack_bf16`): a plain bfloat16 weight is reordered
-on every call, which cost a 64-row decode step a third of its GEMM time (bench/NOTES-cpu.md).
+That copy, and in float32 the weight of a Linear that has blocks, is packed once into oneDNN's own
+layout (`pack`): a plain weight is reordered on every call, which cost a 64-row decode step a third of
+its GEMM time (bench/NOTES-cpu.md).
 """
 from __future__ import annotations
 
@@ -22,10 +23,10 @@ _ONEDNN = (envs.onednn() and torch.backends.mkldnn.is_available()
            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-def pack_bf16(w: torch.Tensor) -> torch.Tensor:
-    """The bfloat16 copy of a weight [N, K] that `linear` reads as `fast`: in oneDNN's blocked layout
-    where oneDNN is on (identical results, no reorder per call), else a plain tensor."""
-    w = w.detach().to(torch.bfloat16).contiguous()
+def pack(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A weight [N, K] in `dtype` as `linear` reads it as `fast`: in oneDNN's blocked layout where
+    oneDNN is on (identical results, no reorder per call), else a plain tensor."""
+    w = w.detach().to(dtype).contiguous()
     if not _ONEDNN or w.device.type != "cpu" or w.dim() != 2 or not w.numel():
         return w
     return torch.ops.mkldnn._reorder_linear_weight(w, 64)
@@ -38,15 +39,16 @@ def nbytes(t: torch.Tensor) -> int:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, blocks=None,
            fast: torch.Tensor | None = None, out_bf16: bool = False) -> torch.Tensor:
-    """`fast`: the weight in bfloat16 (--cpu-matmul bfloat16), for what the blocks do not take; it
-    also takes bfloat16 activations as they are. `out_bf16`: where `fast` runs, leave the output in
-    bfloat16 (what the next bfloat16 GEMM reads anyway: no cast back and forth)."""
+    """`fast`: the packed weight (`pack`) for what the blocks do not take, bfloat16 with --cpu-matmul
+    bfloat16 (it also takes bfloat16 activations as they are), else float32. `out_bf16`: where a
+    bfloat16 `fast` runs, leave the output in bfloat16 (what the next bfloat16 GEMM reads anyway: no
+    cast back and forth)."""
     if blocks is not None and 0 < x.shape[0] <= MAX_ROWS and x.dim() == 2 \
             and x.dtype in (torch.float32, torch.bfloat16):
         y = blocks(x.float())
         return y if bias is None else y.add_(bias)
     if fast is not None and x.dtype in (torch.float32, torch.bfloat16):
-        x = x.to(torch.bfloat16)
+        x = x.to(fast.dtype)
         if fast.is_mkldnn:
             y = (torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), fast, None, "none", [], "")
                  .view(*x.shape[:-1], fast.shape[0]) if x.numel() else x.new_empty(*x.shape[:-1], fast.shape[0]))

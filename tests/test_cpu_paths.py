@@ -157,7 +157,7 @@ def test_packed_bf16_weight_gives_the_plain_bf16_product():
     from ops import linear as lin
     torch.manual_seed(0)
     w, b = torch.randn(96, 64), torch.randn(96)
-    packed = lin.pack_bf16(w)
+    packed = lin.pack(w, torch.bfloat16)
     assert packed.is_mkldnn == lin._ONEDNN and packed.shape == w.shape and packed.dtype == torch.bfloat16
     assert lin.nbytes(packed) == w.numel() * 2
     for x in (torch.randn(40, 64), torch.randn(5, 8, 64)):

@@ -11,7 +11,7 @@ from torch import nn
 
 from ops import triton_fused
 from ops.attention import attend
-from ops.linear import linear, pack_bf16
+from ops.linear import linear, pack
 from ops.norm import RMSNorm
 from ops.quant import QuantWeight
 from ops.rotary import RotaryEmbedding
@@ -60,7 +60,7 @@ class Linear(nn.Module):
         self.weight = _param(sum(out_sizes), in_features, loader=loader)
         self.bias = _param(sum(out_sizes), loader=self._load_bias if self.parallel else loader) if bias else None
         self.blocks = None  # a QuantWeight beside `weight` (attach_blocks)
-        self.fast = None  # the weight in bfloat16 (attach_bf16)
+        self.fast = None  # the packed weight of the big batches (attach_fast)
 
     def local(self, t, shard):
         """The part of checkpoint tensor `t` (a shard's rows, or the whole weight) this rank keeps;
@@ -284,24 +284,28 @@ def attach_blocks(model: nn.Module, blocks, remap=None) -> int:
     return count
 
 
-def attach_bf16(model: nn.Module) -> int:
-    """--cpu-matmul bfloat16: each Linear, and the LM head, gets a bfloat16 copy of its weight for
-    the batches its GGUF blocks (if any) do not take; the blocks' kernels round to bfloat16 too. A
-    Linear with blocks no longer reads its float32 weight (small batches read the blocks, the rest
-    the copy): it is freed, so the model takes less memory than in float32, not more. Returns how
-    many weights got a copy."""
+def attach_fast(model: nn.Module, dtype: torch.dtype) -> int:
+    """The weights that the batches the GGUF blocks do not take multiply with, packed once
+    (ops/linear.py pack). --cpu-matmul bfloat16: a bfloat16 copy for each Linear and the LM head,
+    and the blocks' kernels round to bfloat16 too. float32: the Linears that have blocks. A Linear
+    with blocks no longer reads its plain weight (small batches read the blocks, the rest the
+    packed one): it is freed, so the model takes no more memory than before (less in bfloat16).
+    Returns how many weights were packed."""
+    bf16 = dtype == torch.bfloat16
     n = 0
     for mod in model.modules():
-        if isinstance(mod, Linear):
-            mod.fast = pack_bf16(mod.weight.data)
+        if isinstance(mod, Linear) and (bf16 or mod.blocks is not None):
+            mod.fast = pack(mod.weight.data, dtype)
             if mod.blocks is not None:
                 mod.weight.data = torch.empty(0, dtype=mod.weight.dtype)
-                mod.blocks.bf16 = True
+                mod.blocks.bf16 = bf16
             n += 1
-    if not tp.last_stage():  # pipeline parallel: the head is on the last stage
+    # float32: the head stays plain (a tied one is the embedding table too: packing would copy it);
+    # pipeline parallel: the head is on the last stage
+    if not bf16 or not tp.last_stage():
         return n
     head = model.model.embed_tokens.weight if model.tied else model.lm_head.weight
-    model.head_fast = pack_bf16(head.data)
+    model.head_fast = pack(head.data, dtype)
     if getattr(model, "head_blocks", None) is not None:
         model.head_blocks.bf16 = True
     return n

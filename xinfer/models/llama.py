@@ -110,7 +110,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = Model(self, cfg)
         self.tied = bool(cfg.get("tie_word_embeddings", False))
         self.head_blocks = None  # the head's QuantWeight (layers.attach_blocks)
-        self.head_fast = None  # the head in bfloat16 (layers.attach_bf16)
+        self.head_fast = None  # the head in bfloat16 (layers.attach_fast)
         self._cpu_decoder = None  # built at the first decode step that can use it; False: none fits
         if not self.tied and tp.last_stage():  # tensor parallel: this rank's rows of the vocabulary
             self.lm_head = Linear(cfg["hidden_size"], [cfg["vocab_size"]], parallel="col",

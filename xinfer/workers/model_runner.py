@@ -22,7 +22,7 @@ from xinfer.ipc.step import StepPlan, StepResult, pack_ids, unpack_ids
 from xinfer.loader import ModelInfo, load_model_info
 from xinfer.loader.isq import apply_isq
 from xinfer.loader.weights import build_model
-from xinfer.models.layers import attach_bf16, attach_blocks
+from xinfer.models.layers import attach_blocks, attach_fast
 from xinfer.workers import graphs
 from xinfer.workers.batch import WorkerSeq, drafted, forward, sampling_batch
 from xinfer.workers.drafter import Drafter
@@ -108,8 +108,8 @@ class ModelRunner:
 
     def _build(self, info: ModelInfo, cfg: dict):
         """The model with its fast CPU weights: GGUF blocks (a quantized GGUF's own, or --isq's for
-        a float checkpoint, when the target's --quantization settled on gguf) and bfloat16 copies
-        (--cpu-matmul bfloat16)."""
+        a float checkpoint, when the target's --quantization settled on gguf) and, on a CPU, the packed
+        weights of the bigger batches (layers.attach_fast)."""
         kernels = self.config.quantization == "gguf"
         # a quantized HF checkpoint's linears that the block kernels read as they are (without --isq)
         ckpt_blocks = [] if kernels and info.quant is not None and not self.config.isq else None
@@ -128,8 +128,8 @@ class ModelRunner:
             n = attach_blocks(model, ckpt_blocks, model.remap)
             log.info("%s: %d of %d quantized weights read in place by the block kernels (batches of up to %d rows)",
                      info.quant.method, n, len(ckpt_blocks), max_rows())
-        if self.device.type == "cpu" and self.config.cpu_matmul == "bfloat16":
-            attach_bf16(model)
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            attach_fast(model, torch.bfloat16 if self.config.cpu_matmul == "bfloat16" else torch.float32)
         return model
 
     def _kv_blocks(self, per_block: int) -> int:
