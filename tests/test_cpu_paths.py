@@ -105,10 +105,17 @@ def test_bfloat16_path_within_the_budget(text_ids):
 def test_bfloat16_greedy_decode_matches_small_batches():
     """Decode batches up to XINFER_QUANT_MAX_ROWS rows read the GGUF blocks on either setting, so a
     lone greedy request's tokens after a short prompt are the same."""
+    from xinfer.models.layers import Linear
     prompt = "The capital of France is"
     outs = []
     for cm in ("float32", "bfloat16"):
         e = Engine(EngineConfig(kv_cache_gb=0.1, cpu_matmul=cm), log_level="warning")
+        # the big batches' weights are packed once (layers.attach_fast), the plain ones freed
+        model = e.runner.model
+        lins = [m for m in model.modules() if isinstance(m, Linear)]
+        assert lins and all(m.blocks is not None and m.weight.numel() == 0 for m in lins)
+        assert {m.fast.dtype for m in lins} == {getattr(torch, cm)}
+        assert (model.head_fast is None) == (cm == "float32")
         outs.append(e.generate([e.tokenizer.encode(prompt)], SamplingParams(max_tokens=12, temperature=0))[0].token_ids)
         e.close()
     assert outs[0] == outs[1]
