@@ -93,7 +93,7 @@ def write_checkpoint(config: dict, state: dict, dst: Path, qc: dict, convert) ->
 
 def weight_bytes(model) -> int:
     """Bytes of every weight tensor the model holds: parameters, GGUF blocks (MoE experts': a list
-    per part), bfloat16 copies; each storage once."""
+    per part), packed copies (ops/linear.py pack); each storage once."""
     from ops.linear import nbytes
     from ops.quant import QuantWeight
     found = [p.data for p in model.parameters()]

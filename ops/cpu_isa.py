@@ -70,7 +70,7 @@ def describe(matmul: str, blocks: bool, bf16_dots: bool = False) -> str:
     """The one start-up line: the level and the path that serves each kind of step."""
     big = "bfloat16 GEMMs (oneDNN" + (", AMX tiles)" if level() == "amx" else ")") if matmul == "bfloat16" \
         else "float32 GEMMs (oneDNN)"
-    from ops.quant import max_rows
+    from ops.quant import MAX_ROWS
     dots = " (bfloat16 dot products)" if matmul == "bfloat16" and bf16_dots else ""
-    small = f"GGUF block kernels{dots} up to {max_rows()} rows, then " if blocks else ""
+    small = f"GGUF block kernels{dots} up to {MAX_ROWS} rows, then " if blocks else ""
     return f"cpu {level()}: decode {small}{big}; batched decode and prefill: {big}"

@@ -22,13 +22,9 @@ from ops.cpu_kernels import lib
 from xinfer.loader.gguf_file import BLOCK_TYPES
 from xinfer import envs
 
-def max_rows() -> int:
-    """Where the block kernels stop paying: float32 GEMMs catch up at ~16-24 rows, bfloat16 ones on
-    prepacked weights at 16-20 (2-core Zen 4, bench/NOTES-cpu.md)."""
-    return envs.quant_max_rows() or 16
-
-
-MAX_ROWS = max_rows()
+# Where the block kernels stop paying: float32 GEMMs catch up at ~16-24 rows, bfloat16 ones on
+# prepacked weights at 16-20 (2-core Zen 4, bench/NOTES-cpu.md).
+MAX_ROWS = envs.quant_max_rows() or 16
 
 
 _ONE, _ZERO = np.array([1.0], np.float16).view(np.uint8), np.zeros(2, np.uint8)

@@ -35,7 +35,7 @@ def strict_tool_call() -> bool:
 
 def quant_max_rows() -> int | None:
     """XINFER_QUANT_MAX_ROWS: the largest batch that reads GGUF blocks (more rows use the GEMMs);
-    default: where the GEMMs were measured to catch up (ops/quant.py max_rows)."""
+    default: where the GEMMs were measured to catch up (ops/quant.py MAX_ROWS)."""
     v = os.environ.get("XINFER_QUANT_MAX_ROWS")
     return int(v) if v else None
 

@@ -12,7 +12,7 @@ import torch
 
 from ops import cpu_isa, cpu_kernels, kv_quant, turbo_quant
 from ops.attention import get_backend
-from ops.quant import QuantWeight, max_rows
+from ops.quant import MAX_ROWS, QuantWeight
 from ops.sampling import sample
 from ops.speculative import verify
 from xinfer import hybrid, spec
@@ -118,7 +118,7 @@ class ModelRunner:
             n = attach_blocks(model, ((name, QuantWeight.from_gguf(*b)) for name, *b in info.gguf.quantized_blocks(getattr(model, "keeps", None))),
                               model.remap)
             log.info("GGUF blocks kept for %d weights (batches of up to %d rows read them)", n,
-                     max_rows())
+                     MAX_ROWS)
         elif self.config.isq and kernels:
             if info.kind == "gguf":
                 log.info("--isq %s: %s is a GGUF file, its own tensor types stay", self.config.isq, info.name)
@@ -127,7 +127,7 @@ class ModelRunner:
         elif ckpt_blocks:
             n = attach_blocks(model, ckpt_blocks, model.remap)
             log.info("%s: %d of %d quantized weights read in place by the block kernels (batches of up to %d rows)",
-                     info.quant.method, n, len(ckpt_blocks), max_rows())
+                     info.quant.method, n, len(ckpt_blocks), MAX_ROWS)
         if self.device.type == "cpu" and self.dtype == torch.float32:
             attach_fast(model, torch.bfloat16 if self.config.cpu_matmul == "bfloat16" else torch.float32)
         return model
