@@ -27,6 +27,14 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the C kerne
 TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q2_K"]
 # where a K-quant super-block keeps its float16 d (and dmin): gguf has no quantizer for these
 _K_HALVES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82)}
+# float32 sums of 160-256 products in another order than the reference's: an unseeded draw once
+# landed 1.4e-5 off on a value of 0.33, so inputs are seeded and the bound is the reordering's
+SUM = dict(rtol=1e-5, atol=5e-5)
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    torch.manual_seed(0)
 
 
 def _blocks(type_name, n=96, k=160, seed=0):
@@ -61,8 +69,8 @@ def test_block_matmul_matches_float32(type_name):
         x = torch.randn(rows, ref.shape[1])
         want = x @ ref.T + bias
         got = linear(x, ref, bias, q)  # MAX_ROWS + 1 and more: oneDNN on the float weight
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(q(x), x @ ref.T, rtol=1e-5, atol=1e-5)  # the kernel at every size
+        torch.testing.assert_close(got, want, **SUM)
+        torch.testing.assert_close(q(x), x @ ref.T, **SUM)  # the kernel at every size
 
 
 @pytest.mark.skipif(not cpu_kernels.has_bf16(), reason="this build has no AVX512_BF16 dot products (the bf16 "
@@ -76,7 +84,7 @@ def test_bf16_dot_products_match_rounded_float32(type_name):
     for rows in [1, 2, 3, 5, 8, 9, 12, 17, 24]:
         x = torch.randn(rows, ref.shape[1])
         got = q(x)
-        torch.testing.assert_close(got, x.bfloat16().float() @ ref.bfloat16().float().T, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, x.bfloat16().float() @ ref.bfloat16().float().T, **SUM)
         assert torch.equal(q(x[-1:]), got[-1:])
 
 
@@ -91,7 +99,7 @@ def test_fused_blocks_keep_row_order():
     ref = torch.cat([r for _, r in mixed])
     assert torch.equal(fused.dequantize(), ref)
     x = torch.randn(3, 256)
-    torch.testing.assert_close(fused(x), x @ ref.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused(x), x @ ref.T, **SUM)
 
 
 def _paged_case(seed, lens, query_lens, hq=6, hkv=2, d=64, bs=4):
