@@ -38,6 +38,13 @@ def has_triton() -> bool:
 BACKENDS = ["torch"] + (["triton"] if has_triton() else [])
 
 
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Every test draws the same unseeded inputs on every run: a tolerance is checked once, not
+    re-rolled by each CI run."""
+    torch.manual_seed(0)
+
+
 @pytest.fixture(scope="session")
 def smollm_path():
     from xinfer.loader.hf import bundled_model_path
