@@ -26,7 +26,7 @@ from xinfer import process
 from xinfer import parallel, spec
 from xinfer.config import EngineConfig
 from xinfer.engine_core import Delta, EngineCore
-from xinfer.ipc.api import Abort, FromEngine, GenerateRequest, Ready, RequestError, ToEngine
+from xinfer.ipc.api import Abort, FromEngine, GenerateRequest, Ready, RequestError, Stats, ToEngine
 from xinfer.ipc.channels import Codec, socket
 from xinfer.ipc.step import pack_ids, unpack_ids
 from xinfer.ipc.text import SeqInit, StopHit, TokenBatch, TokenDelta
@@ -41,7 +41,8 @@ log = logging.getLogger("xinfer.engine_core")
 
 NAME = "xinfer::scheduler"
 _PROMPT_TAIL = 8
-_KEEP_FINISHED_S = 60.0  # finished sequences stay resendable this long after a pipeline restart
+_KEEP_FINISHED_S = 60.0
+_STATS_EVERY_S = 0.25  # finished sequences stay resendable this long after a pipeline restart
 
 
 def run_engine_core(config: EngineConfig, topology: Topology, log_level: str, parent: int) -> None:
@@ -76,6 +77,10 @@ def _main(config: EngineConfig, topology: Topology, log_level: str, parent: int)
             os._exit(1)
 
 
+def _shape(s: Stats) -> tuple:
+    return s.num_running, s.num_waiting, s.preemptions, s.worker_restarts
+
+
 @dataclass
 class _Live:
     """A choice the detokenizer/parser pair knows about: what a restarted pair is resent."""
@@ -103,6 +108,7 @@ class EngineCoreProc:
         self.orphaned = False
         self.last_stats = None  # the last Stats sent to the API
         self._next_purge = 0.0
+        self._stats_due = 0.0
 
     # ---- the detokenizer -> parser pipeline ----
     def start_pipeline(self) -> None:
@@ -205,18 +211,27 @@ class EngineCoreProc:
                     out.append(self._token_delta(d))
             # The counters first: they go straight to the API, the tokens through two more
             # processes, so /metrics already counts a request when its response ends.
-            self._send_stats()
+            self._send_stats(force=any(d.finish_reason for d in deltas))
             self._send_tokens(out)
 
     def _token_delta(self, d: Delta) -> TokenDelta:
         return TokenDelta(d.seq_id, pack_ids(d.token_ids), d.finish_reason, self.core.num_cached_tokens(d.seq_id),
                           d.logprobs, d.prompt_logprobs, d.queue_time, d.error, d.embedding)
 
-    def _send_stats(self) -> None:
-        stats = self.core.stats()
-        if stats != self.last_stats:  # sent when something changed, so an idle engine sends nothing
-            self.push.send(self.tx.encode(stats))
-            self.last_stats = stats
+    def _send_stats(self, force: bool = False) -> None:
+        """Sent when something changed, so an idle engine sends nothing. Counters that move every
+        step (tokens, KV use) go at most every _STATS_EVERY_S: a message a token costs the API process
+        and this one more CPU than the whole step's bookkeeping, on cores the model needs. Gauges of
+        running and waiting requests, and `force` (a request finished), go at once."""
+        stats, last = self.core.stats(), self.last_stats
+        if stats == last:
+            return
+        now = time.monotonic()
+        if (not force and last is not None and now < self._stats_due
+                and _shape(stats) == _shape(last)):
+            return
+        self.push.send(self.tx.encode(stats))
+        self.last_stats, self._stats_due = stats, now + _STATS_EVERY_S
 
     def _handle(self, msg) -> None:
         if isinstance(msg, GenerateRequest):
