@@ -296,6 +296,9 @@ typedef __m512 vf;
 #define v_max _mm512_max_ps
 #define v_min _mm512_min_ps
 #define v_zero _mm512_setzero_ps
+#define v_div _mm512_div_ps
+static inline vf v_neg_abs(vf x) { return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN))); }
+static inline vf v_if_neg(vf c, vf a, vf b) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(c, v_zero(), _CMP_LT_OQ), b, a); }
 static inline float v_hmax(vf v) { return _mm512_reduce_max_ps(v); }
 // lanes c and up replaced by `fill`
 static inline vf v_first(vf v, int c, float fill) {
@@ -331,6 +334,9 @@ typedef __m256 vf;
 #define v_max _mm256_max_ps
 #define v_min _mm256_min_ps
 #define v_zero _mm256_setzero_ps
+#define v_div _mm256_div_ps
+static inline vf v_neg_abs(vf x) { return _mm256_or_ps(x, _mm256_set1_ps(-0.f)); }
+static inline vf v_if_neg(vf c, vf a, vf b) { return _mm256_blendv_ps(b, a, _mm256_cmp_ps(c, v_zero(), _CMP_LT_OQ)); }
 static inline float v_hmax(vf v) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
@@ -367,6 +373,17 @@ static inline vf v_exp(vf x) {
     p = v_fma(p, r, v_set1(5.0000001201e-1f));
     p = v_add(v_fma(p, v_mul(r, r), r), v_set1(1.f));
     return v_pow2(p, n);
+}
+
+// out = silu(g) * u: g sigmoid(g), the exponential taken of -|g| only (v_exp's domain, and no overflow)
+static void silu_mul(const float *g, const float *u, float *out, int n) {
+    int i = 0;
+    for (; i + VW <= n; i += VW) {
+        const vf x = v_load(g + i), t = v_exp(v_neg_abs(x));
+        const vf sig = v_div(v_if_neg(x, t, v_set1(1.f)), v_add(v_set1(1.f), t));
+        v_store(out + i, v_mul(v_mul(x, sig), v_load(u + i)));
+    }
+    for (; i < n; i++) out[i] = g[i] / (1.f + expf(-g[i])) * u[i];
 }
 
 enum { KV_F32, KV_E4M3, KV_E5M2, KV_BF16, KV_F16, KV_TURBO };
@@ -897,11 +914,20 @@ void xinfer_decode(const xq_model *m, const float *x, float *out, int B, const i
                                 m->offset);
             }
             mm_team(&L->gate_up, h, gu, B);
+            if (L->act) {
 #pragma omp for schedule(static)
-            for (int j = 0; j < B * I; j++) {
-                const float g = gu[(size_t)(j / I) * 2 * I + j % I], u = gu[(size_t)(j / I) * 2 * I + I + j % I];
-                act[j] = (L->act ? 0.5f * g * (1.f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)))
-                                 : g / (1.f + expf(-g))) * u;
+                for (int j = 0; j < B * I; j++) {
+                    const float g = gu[(size_t)(j / I) * 2 * I + j % I], u = gu[(size_t)(j / I) * 2 * I + I + j % I];
+                    act[j] = 0.5f * g * (1.f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * u;
+                }
+            } else {
+                const int CH = 128, nc = (I + CH - 1) / CH;  // chunks: both threads share even one row
+#pragma omp for schedule(static)
+                for (int t = 0; t < B * nc; t++) {
+                    const int b = t / nc, i = t % nc * CH;
+                    const float *g = gu + (size_t)b * 2 * I + i;
+                    silu_mul(g, g + I, act + (size_t)b * I + i, I - i < CH ? I - i : CH);
+                }
             }
             mm_team(&L->down, act, y, B);
             if (L->mlp_out_norm) {
