@@ -122,7 +122,8 @@ def _wait(ready, peers, ring: _Ring, what: str, timeout: float | None, word: int
     for _ in range(200):
         if ready():
             return
-    sleep, start, checked = 20e-6, time.monotonic(), 0.0
+    sleep, start = 20e-6, time.monotonic()
+    checked = start  # peers are checked from 50 ms on: a step's wait would pay for it every time
     use_futex = word is not None and ring.base is not None
     while True:
         seen = struct.unpack_from("<I", ring.buf, word)[0] if use_futex else 0
