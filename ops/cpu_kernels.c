@@ -228,8 +228,12 @@ static void rows_bf16(const xq_linear *w, const uint16_t *xb, float *y, int rows
 }
 #endif
 
+// Lines fetched toward L2 a few at a time while a matmul computes (kv_prefetch below); NULL: none.
+typedef struct kv_pf kv_pf;
+static void pf_step(kv_pf *p);
+
 // y [M, N] = x [M, K] w^T (+ bias), run by every thread of the enclosing parallel region.
-static void mm_team(const xq_linear *w, const float *x, float *y, int M) {
+static void mm_team(const xq_linear *w, const float *x, float *y, int M, kv_pf *pf) {
     // Weight-stationary: each thread takes its share of the output rows n and runs every activation
     // row through each in passes of mr rows, so a weight row comes from memory once a call (the
     // later passes find it in L1) however many rows the batch has. Each row's sums are the same
@@ -259,6 +263,7 @@ static void mm_team(const xq_linear *w, const float *x, float *y, int M) {
             if (w->bias)
                 for (int r = 0; r < rows; r++) ym[(size_t)r * w->N + n] += w->bias[n];
         }
+        if (pf) pf_step(pf);
     }
 #if HAS_BF16
     free(xb);
@@ -270,14 +275,14 @@ void xinfer_q4_mm(const uint8_t *qs, const float *d, const float *mn, const floa
                   int bf16) {
     const xq_linear w = {qs, d, mn, NULL, 0, N, K, 1, bf16};
 #pragma omp parallel
-    mm_team(&w, x, y, M);
+    mm_team(&w, x, y, M, NULL);
 }
 
 void xinfer_q8_mm(const int8_t *qs, const float *d, const float *mn, int gs, const float *x, float *y, int M, int N,
                   int K, int bf16) {
     const xq_linear w = {qs, d, mn, NULL, 1, N, K, gs, bf16};
 #pragma omp parallel
-    mm_team(&w, x, y, M);
+    mm_team(&w, x, y, M, NULL);
 }
 
 // A KV cache as attention reads it: [blocks, bs, Hkv, D] values of one kind (ops/kv_quant.py) and,
@@ -704,6 +709,34 @@ static int attn_splits(int B, int max_len) {
     return s < cap ? s : (cap > 1 ? cap : 1);
 }
 
+// Sequence b's position range s of S (attend_team).
+static void attend_item(const float *q, int64_t q_stride, const xq_kv *kc, const xq_kv *vc, const int32_t *tables,
+                        int table_stride, const int32_t *lens, float *out, int Hq, int Hkv, int D, int bs,
+                        float scale, int window, float softcap, int S, float *part, int b, int s) {
+    const int G = Hq / Hkv, L = lens[b];
+    const int start = (window > 0 && L > window) ? L - window : 0;
+    const int per = ((L - start + S - 1) / S + VW - 1) / VW * VW;  // whole chunks but the last
+    const int t0 = start + s * per < L ? start + s * per : L, t1 = t0 + per < L ? t0 + per : L;
+    float mxs[Hq], sums[Hq], *o[Hkv], *mx[Hkv], *sum[Hkv];
+    for (int h = 0; h < Hkv; h++) {
+        if (S == 1) {
+            o[h] = out + ((size_t)b * Hq + (size_t)h * G) * D, mx[h] = mxs + h * G, sum[h] = sums + h * G;
+        } else {
+            float *p = part + (((size_t)b * Hkv + h) * S + s) * G * (D + 2);
+            o[h] = p, mx[h] = p + (size_t)G * D, sum[h] = p + (size_t)G * D + G;
+        }
+    }
+    attend_range(q + (size_t)b * q_stride, kc, vc, tables + (size_t)b * table_stride, t0, t1, G, Hkv, D, bs,
+                 scale, softcap, o, mx, sum);
+    if (S == 1) {
+        for (int j = 0; j < Hq; j++) {
+            const vf inv = v_set1(sums[j] > 0.f ? 1.f / sums[j] : 0.f);
+            float *oj = out + ((size_t)b * Hq + j) * D;
+            for (int i = 0; i < D; i += VW) v_store(oj + i, v_mul(v_load(oj + i), inv));
+        }
+    }
+}
+
 // Every sequence's attention, shared out over the threads of the enclosing parallel region by
 // (sequence, position range). q rows q_stride apart, out [B, Hq, D]; window > 0: only the
 // last `window` positions. S ranges (attn_splits): part holds each (sequence, KV head, range)'s
@@ -712,31 +745,16 @@ static void attend_team(const float *q, int64_t q_stride, const xq_kv *kc, const
                         int table_stride, const int32_t *lens, float *out, int B, int Hq, int Hkv, int D, int bs,
                         float scale, int window, float softcap, int S, float *part) {
     const int G = Hq / Hkv;
+#define ATTEND_ITEM attend_item(q, q_stride, kc, vc, tables, table_stride, lens, out, Hq, Hkv, D, bs, scale, window, \
+                                softcap, S, part, it / S, it % S)
+    if (B == 1) {  // in order: each thread reads the ranges whose lines it prefetched (kv_pf)
+#pragma omp for schedule(static)
+        for (int it = 0; it < S; it++) ATTEND_ITEM;
+    } else {
 #pragma omp for schedule(dynamic, 1)
-    for (int it = 0; it < B * S; it++) {
-        const int b = it / S, s = it % S, L = lens[b];
-        const int start = (window > 0 && L > window) ? L - window : 0;
-        const int per = ((L - start + S - 1) / S + VW - 1) / VW * VW;  // whole chunks but the last
-        const int t0 = start + s * per < L ? start + s * per : L, t1 = t0 + per < L ? t0 + per : L;
-        float mxs[Hq], sums[Hq], *o[Hkv], *mx[Hkv], *sum[Hkv];
-        for (int h = 0; h < Hkv; h++) {
-            if (S == 1) {
-                o[h] = out + ((size_t)b * Hq + (size_t)h * G) * D, mx[h] = mxs + h * G, sum[h] = sums + h * G;
-            } else {
-                float *p = part + (((size_t)b * Hkv + h) * S + s) * G * (D + 2);
-                o[h] = p, mx[h] = p + (size_t)G * D, sum[h] = p + (size_t)G * D + G;
-            }
-        }
-        attend_range(q + (size_t)b * q_stride, kc, vc, tables + (size_t)b * table_stride, t0, t1, G, Hkv, D, bs,
-                     scale, softcap, o, mx, sum);
-        if (S == 1) {
-            for (int j = 0; j < Hq; j++) {
-                const vf inv = v_set1(sums[j] > 0.f ? 1.f / sums[j] : 0.f);
-                float *oj = out + ((size_t)b * Hq + j) * D;
-                for (int i = 0; i < D; i += VW) v_store(oj + i, v_mul(v_load(oj + i), inv));
-            }
-        }
+        for (int it = 0; it < B * S; it++) ATTEND_ITEM;
     }
+#undef ATTEND_ITEM
     if (S == 1) return;
 #pragma omp for schedule(static)
     for (int j = 0; j < B * Hq; j++) {  // query head g of KV head h of sequence b: its S ranges merged
@@ -855,6 +873,55 @@ typedef struct {
     const xq_layer *layers;
 } xq_model;
 
+// The next layer's K and V rows, fetched toward L2 during this layer's gate/up matmul (compute-
+// bound for a few sequences): a few sequences' attention otherwise waits on memory at every chunk,
+// their cache having left L3 while the weights streamed through. Each thread takes an even share
+// of the lines (K then V of each block, sequence after sequence), PF_MAX_BYTES in all at most.
+#define PF_MAX_BYTES (1u << 20)
+struct kv_pf {
+    const char *k, *v;
+    const int32_t *tables, *lens;
+    int stride, bs, b, j;
+    size_t lpb, block_bytes, line, left, per;  // lpb: lines a block of one cache
+};
+
+static int kv_elem_bytes(int kind) {
+    return kind == KV_F32 ? 4 : kind == KV_BF16 || kind == KV_F16 ? 2 : kind == KV_E4M3 || kind == KV_E5M2 ? 1 : 0;
+}
+
+static void pf_init(kv_pf *p, const xq_layer *L, const int32_t *tables, int stride, const int32_t *lens, int B,
+                    int bs, int Hkv, int D, int iters) {
+    p->left = 0;
+    const size_t el = kv_elem_bytes(L->kv_kind);
+    if (!el) return;  // turbo rows are packed differently: not fetched
+    p->k = L->k_cache, p->v = L->v_cache, p->tables = tables, p->lens = lens, p->stride = stride, p->bs = bs;
+    p->block_bytes = (size_t)bs * Hkv * D * el, p->lpb = (p->block_bytes + 63) / 64;
+    size_t total = 0;
+    for (int b = 0; b < B; b++) total += (size_t)(lens[b] + bs - 1) / bs * 2 * p->lpb;
+    if (total > PF_MAX_BYTES / 64) total = PF_MAX_BYTES / 64;
+    const int T = omp_get_num_threads(), t = omp_get_thread_num();
+    size_t skip = total * t / T;
+    p->left = total * (t + 1) / T - skip, p->per = (p->left + iters - 1) / (iters > 0 ? iters : 1);
+    for (p->b = 0; p->b < B; p->b++) {  // find this thread's first line
+        const size_t n = (size_t)(lens[p->b] + bs - 1) / bs * 2 * p->lpb;
+        if (skip < n) break;
+        skip -= n;
+    }
+    p->j = (int)(skip / (2 * p->lpb)), p->line = skip % (2 * p->lpb);
+}
+
+static void pf_step(kv_pf *p) {
+    for (size_t k = 0; k < p->per && p->left; k++, p->left--) {
+        const int32_t blk = p->tables[(size_t)p->b * p->stride + p->j];
+        const int v = p->line >= p->lpb;
+        _mm_prefetch((v ? p->v : p->k) + (size_t)blk * p->block_bytes + (p->line - (v ? p->lpb : 0)) * 64, _MM_HINT_T1);
+        if (++p->line == 2 * p->lpb) {
+            p->line = 0;
+            if (++p->j == (p->lens[p->b] + p->bs - 1) / p->bs) p->j = 0, p->b++;
+        }
+    }
+}
+
 static void head_norm(float *x, const float *w, int H, int D, float eps, float offset) {
     for (int h = 0; h < H; h++) add_rmsnorm_row(x + (size_t)h * D, NULL, w, x + (size_t)h * D, D, eps, offset);
 }
@@ -885,7 +952,7 @@ void xinfer_decode(const xq_model *m, const float *x, float *out, int B, const i
                                 m->eps, m->offset);
 #pragma omp single
             if (l == 0) memcpy(res, y, sizeof(float) * (size_t)B * H);
-            mm_team(&L->qkv, h, qkv, B);
+            mm_team(&L->qkv, h, qkv, B, NULL);
 #pragma omp single
             for (int b = 0; b < B; b++) {
                 float *qb = qkv + (size_t)b * QKV, *kb = qb + (size_t)Hq * D, *vb = kb + (size_t)Hkv * D;
@@ -905,7 +972,7 @@ void xinfer_decode(const xq_model *m, const float *x, float *out, int B, const i
 #pragma omp for schedule(static)
                 for (int b = 0; b < B; b++) rotate_heads(L->rotation, att + (size_t)b * Hq * D, Hq, D, 1);  // and back
             }
-            mm_team(&L->o, att, y, B);
+            mm_team(&L->o, att, y, B, NULL);
 #pragma omp single
             for (int b = 0; b < B; b++) {
                 if (L->attn_out_norm)
@@ -913,7 +980,11 @@ void xinfer_decode(const xq_model *m, const float *x, float *out, int B, const i
                 add_rmsnorm_row(y + (size_t)b * H, res + (size_t)b * H, L->ln_post, h + (size_t)b * H, H, m->eps,
                                 m->offset);
             }
-            mm_team(&L->gate_up, h, gu, B);
+            kv_pf pf;
+            if (l + 1 < m->n_layers)
+                pf_init(&pf, &m->layers[l + 1], tables, table_stride, lens, B, m->bs, Hkv, D,
+                        (L->gate_up.N + omp_get_num_threads() - 1) / omp_get_num_threads());
+            mm_team(&L->gate_up, h, gu, B, l + 1 < m->n_layers ? &pf : NULL);
             if (L->act) {
 #pragma omp for schedule(static)
                 for (int j = 0; j < B * I; j++) {
@@ -929,7 +1000,7 @@ void xinfer_decode(const xq_model *m, const float *x, float *out, int B, const i
                     silu_mul(g, g + I, act + (size_t)b * I + i, I - i < CH ? I - i : CH);
                 }
             }
-            mm_team(&L->down, act, y, B);
+            mm_team(&L->down, act, y, B, NULL);
             if (L->mlp_out_norm) {
 #pragma omp single
                 for (int b = 0; b < B; b++)
