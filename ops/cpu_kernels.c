@@ -102,7 +102,7 @@ static inline void to_bf16(const float *x, uint16_t *xb, int n) {  // n a multip
 
 // A q4 block as 32 bfloat16 weights, bit-identical to q4_block + cvtne2ps_pbh: the 16 values
 // d * j + m a block can hold are rounded once into a table, and the nibbles pick from it (four
-// 512-bit ops a block instead of eight: the one-row decode step is bound by these, not by memory).
+// 512-bit ops a block instead of eight: one row's matmuls are bound by these as much as by memory).
 static inline __m512bh q4_block_bf16(const uint8_t *q, float d, float m) {
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m256i tab = (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(iota, _mm512_set1_ps(d), _mm512_set1_ps(m)));
@@ -228,7 +228,7 @@ static void rows_bf16(const xq_linear *w, const uint16_t *xb, float *y, int rows
 }
 #endif
 
-// Lines fetched toward L2 a few at a time while a matmul computes (kv_prefetch below); NULL: none.
+// Lines fetched toward L2 a few at a time while a matmul computes (struct kv_pf below); NULL: none.
 typedef struct kv_pf kv_pf;
 static void pf_step(kv_pf *p);
 
