@@ -401,7 +401,20 @@ typedef struct {
     const float *mids;     // turbo writes: the 2^bits - 1 midpoints between levels
     const float *rot;      // turbo writes: the rotation R [D, D]
     const float *shift;    // turbo key writes: the calibrated mean key [Hkv, D], or NULL
+    int warm;              // 1: its lines were fetched during the last matmul (kv_pf), attention need not
 } xq_kv;
+
+static int kv_elem_bytes(int kind) {
+    return kind == KV_F32 ? 4 : kind == KV_BF16 || kind == KV_F16 ? 2 : kind == KV_E4M3 || kind == KV_E5M2 ? 1 : 0;
+}
+
+// The bytes of K and V that B sequences' blocks hold in one layer's caches.
+static size_t kv_bytes(const int32_t *lens, int B, int bs, int Hkv, int D, int kind) {
+    size_t blocks = 0;
+    for (int b = 0; b < B; b++) blocks += (size_t)(lens[b] + bs - 1) / bs;
+    return blocks * 2 * bs * Hkv * D * kv_elem_bytes(kind);
+}
+
 
 // y = R x (transpose 0) or R^T x (1) for one head vector: a turbo cache's frame and back.
 static void rotate(const float *R, const float *x, float *y, int D, int transpose) {
@@ -619,73 +632,179 @@ void xinfer_kv_store(void *data, float *scale, int kind, const int64_t *slots, c
     for (int t = 0; t < T; t++) kv_write(&c, (size_t)slots[t] * Hkv, x + (size_t)t * Hkv * D, Hkv, D);
 }
 
-// Rows of tokens t0 .. t0 + cnt - 1 of KV head h, VW of them (past cnt: the first again, weighted 0
-// by the caller): pointers to D floats (the cache's own rows when it is float32, else converted into
-// buf, VW * D floats) and each row's scale.
-static inline void chunk_rows(const xq_kv *c, const int32_t *tab, int t0, int cnt, int bs, int Hkv, int h, int D,
-                              float *buf, const float **rows, float *scale) {
+// Rows of tokens t0 .. t0 + cnt - 1 of KV head h as D floats each, row j at the pointer returned
+// plus j * *stride: the cache's own rows when it is float32 and the chunk's VW rows lie in one block
+// (the rows past cnt are read, never used), else converted or copied into buf (VW * D floats, the
+// rows past cnt zero). scale[j]: row j's scale, 0 past cnt. One base pointer, not VW, keeps the
+// loops over the rows within the registers.
+static inline const float *chunk_rows(const xq_kv *c, const int32_t *tab, int t0, int cnt, int bs, int Hkv, int h,
+                                      int D, float *buf, size_t *stride, float *scale) {
+    int blk = t0 / bs, off = t0 % bs;  // one division a chunk, not one a row
+    if (c->kind == KV_F32 && off + VW <= bs) {
+        for (int j = 0; j < VW; j++) scale[j] = j < cnt ? 1.f : 0.f;
+        *stride = (size_t)Hkv * D;
+        return (const float *)c->data + (((size_t)tab[blk] * bs + off) * Hkv + h) * D;
+    }
     for (int j = 0; j < VW; j++) {
+        float *dst = buf + (size_t)j * D;
         if (j >= cnt) {
-            rows[j] = rows[0], scale[j] = 0.f;
+            memset(dst, 0, sizeof(float) * (size_t)D), scale[j] = 0.f;
             continue;
         }
-        const int t = t0 + j;
-        const size_t r = ((size_t)tab[t / bs] * bs + t % bs) * Hkv + h;
-        rows[j] = kv_row(c, r, D, buf + (size_t)j * D);
+        const size_t r = ((size_t)tab[blk] * bs + off) * Hkv + h;
+        const float *src = kv_row(c, r, D, dst);
+        if (src != dst) memcpy(dst, src, sizeof(float) * (size_t)D);
         scale[j] = kv_scale(c, r);
+        if (++off == bs) off = 0, blk++;
     }
+    *stride = (size_t)D;
+    return buf;
+}
+
+// Positions scored before their softmax update and P.V (attend_span)
+#define SPAN (8 * VW)
+#if VW == 16
+#define PV_G 4  // query heads a P.V pass accumulates together (PV_G * 4 accumulators)
+#else
+#define PV_G 2
+#endif
+
+// o[g] (D floats each, `ld` apart) += sum over the chunk's cnt tokens of p[g][j] * scale[j] * V row
+// j, for gn (<= PV_G) query heads and the in (<= 4) VW-wide slices from i0: every V slice is loaded
+// once for the gn heads, and the gn * in sums are independent chains.
+static inline __attribute__((always_inline)) void pv_block(const float *vr, size_t vstride, const float *vs,
+                                                          const float *p, int pstride, int cnt, float *o, int ld,
+                                                          int i0, int gn, int in) {
+    vf acc[PV_G][4];
+    for (int g = 0; g < gn; g++)
+        for (int i = 0; i < in; i++) acc[g][i] = v_zero();
+    for (int j = 0; j < cnt; j++, vr += vstride) {
+        vf v[4];
+        for (int i = 0; i < in; i++) v[i] = v_load(vr + i0 + i * VW);
+        for (int g = 0; g < gn; g++) {
+            const vf w = v_set1(p[(size_t)g * pstride + j] * vs[j]);
+            for (int i = 0; i < in; i++) acc[g][i] = v_fma(w, v[i], acc[g][i]);
+        }
+    }
+    for (int g = 0; g < gn; g++)
+        for (int i = 0; i < in; i++) {
+            float *og = o + (size_t)g * ld + i0 + i * VW;
+            v_store(og, v_add(v_load(og), acc[g][i]));
+        }
+}
+
+#define PV_IN(GN)                                                                                    \
+    switch (in) {                                                                                    \
+    case 4: pv_block(vr, vstride, vs, p, pstride, cnt, o, ld, i0, GN, 4); break;                             \
+    case 2: pv_block(vr, vstride, vs, p, pstride, cnt, o, ld, i0, GN, 2); break;                             \
+    default: for (int i = 0; i < in; i++) pv_block(vr, vstride, vs, p, pstride, cnt, o, ld, i0 + i * VW, GN, 1); \
+    }
+
+static void pv_chunk(const float *vr, size_t vstride, const float *vs, const float *p, int pstride, int cnt, float *o,
+                     int ld, int G, int D) {
+    for (int g0 = 0; g0 < G; g0 += PV_G, p += (size_t)PV_G * pstride, o += (size_t)PV_G * ld)
+        for (int i0 = 0; i0 < D; i0 += 4 * VW) {
+            const int gn = G - g0 < PV_G ? G - g0 : PV_G, in = (D - i0) / VW < 4 ? (D - i0) / VW : 4;
+            switch (gn) {
+            case 1: PV_IN(1) break;
+#if PV_G == 4
+            case 3: PV_IN(3) break;
+            case 4: PV_IN(4) break;
+#endif
+            default: PV_IN(2)
+            }
+        }
+}
+#undef PV_IN
+
+// The span's rows of a cache (positions c0 .. c0 + n - 1, `row` values each) fetched toward L2 at
+// once: its blocks lie anywhere in the cache, so the hardware's streams stop at each block's end.
+static void prefetch_span(const xq_kv *c, const int32_t *tab, int c0, int n, int bs, int row) {
+    const size_t el = kv_elem_bytes(c->kind);
+    if (!el) return;
+    for (int t = c0; t < c0 + n;) {
+        const int off = t % bs, cnt = bs - off < c0 + n - t ? bs - off : c0 + n - t;
+        const char *p = (const char *)c->data + ((size_t)tab[t / bs] * bs + off) * row * el;
+        for (size_t i = 0; i < (size_t)cnt * row * el; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
+        t += cnt;
+    }
+}
+
+// Lane j: the dot product of query qg with row j of the chunk (at k + j * stride), nd vectors long:
+// nd a constant where it is 4 or 8 (head sizes 64 and 128 of AVX-512), so the sums stay in registers.
+static inline __attribute__((always_inline)) vf qk_chunk(const float *qg, const float *k, size_t stride, int nd) {
+    vf acc[VW];
+    for (int j = 0; j < VW; j++, k += stride) {
+        acc[j] = v_mul(v_load(qg), v_load(k));
+        for (int i = 1; i < nd; i++) acc[j] = v_fma(v_load(qg + i * VW), v_load(k + i * VW), acc[j]);
+    }
+    return v_sums(acc);
 }
 
 // Decode attention straight from the paged KV cache (no gather): one query row per sequence.
-// The G query heads qh (D apart) of KV head h over the VW tokens c0 .. c0 + cnt - 1 (tab: the
-// sequence's block table): they share each K/V read. softcap > 0: scores = softcap * tanh(scores /
-// softcap). Online softmax: each chunk's VW scores come out of one vector (v_sums), their
-// exponentials out of one v_exp; o [G, D] stays unnormalized, with each head's running max and sum
-// of exponentials in mx and sum.
-static void attend_chunk(const float *qh, const xq_kv *kc, const xq_kv *vc, const int32_t *tab, int c0, int cnt,
-                         int h, int G, int Hkv, int D, int bs, float scale, float softcap, float *o, float *mx,
-                         float *sum) {
-    float kbuf[VW * D], vbuf[VW * D], ks[VW], vs[VW], p[VW];
-    const float *kr[VW], *vr[VW];
-    chunk_rows(kc, tab, c0, cnt, bs, Hkv, h, D, kbuf, kr, ks);
-    chunk_rows(vc, tab, c0, cnt, bs, Hkv, h, D, vbuf, vr, vs);
-    const vf kscale = v_mul(v_load(ks), v_set1(scale)), vscale = v_load(vs);
-    for (int g = 0; g < G; g++) {
-        const float *qg = qh + (size_t)g * D;
-        vf acc[VW];
-        for (int j = 0; j < VW; j++) acc[j] = v_zero();
-        for (int i = 0; i < D; i += VW) {
-            const vf qv = v_load(qg + i);
-            for (int j = 0; j < VW; j++) acc[j] = v_fma(qv, v_load(kr[j] + i), acc[j]);
+// Every KV head's G query heads qh over the n <= SPAN tokens c0 .. c0 + n - 1 (tab: the sequence's
+// block table). All the span's scores first (each chunk of VW tokens out of one v_sums, its K rows
+// read once for the G heads), then one online-softmax update per query head over the span (vector
+// max and exp), then P.V with each V row read once for the G heads. softcap > 0: scores = softcap
+// * tanh(scores / softcap). o[h] [G, D] stays unnormalized, with each head's running max and sum of
+// exponentials in mx[h] and sum[h]. A chunk's tokens hold all their heads side by side ([bs, Hkv, D]
+// blocks), so the heads are inner: each block is read from memory in one sweep.
+static void attend_span(const float *q, const xq_kv *kc, const xq_kv *vc, const int32_t *tab, int c0, int n, int G,
+                        int Hkv, int D, int bs, float scale, float softcap, float *const *o, float *const *mx,
+                        float *const *sum) {
+    const int nc = (n + VW - 1) / VW;
+    float sc[Hkv * G][SPAN], buf[VW * D], rs[VW];
+    size_t stride;
+    for (int c = 0; c < nc; c++) {
+        const int cnt = n - c * VW < VW ? n - c * VW : VW;
+        for (int h = 0; h < Hkv; h++) {
+            const float *kr = chunk_rows(kc, tab, c0 + c * VW, cnt, bs, Hkv, h, D, buf, &stride, rs);
+            const vf ks = v_mul(v_load(rs), v_set1(scale));
+            for (int g = 0; g < G; g++) {
+                const float *qg = q + ((size_t)h * G + g) * D;
+                const vf sums = D == 4 * VW ? qk_chunk(qg, kr, stride, 4) : D == 8 * VW ? qk_chunk(qg, kr, stride, 8)
+                                                                                        : qk_chunk(qg, kr, stride, D / VW);
+                v_store(sc[h * G + g] + c * VW, v_mul(sums, ks));
+            }
         }
-        vf s = v_mul(v_sums(acc), kscale);
-        if (softcap > 0.f) {
-            v_store(p, s);
-            for (int j = 0; j < cnt; j++) p[j] = softcap * tanhf(p[j] / softcap);
-            s = v_load(p);
+    }
+    for (int h = 0; h < Hkv; h++)
+        for (int g = 0; g < G; g++) {
+            float *s = sc[h * G + g];
+            if (softcap > 0.f)
+                for (int j = 0; j < n; j++) s[j] = softcap * tanhf(s[j] / softcap);
+            for (int j = n; j < nc * VW; j++) s[j] = -INFINITY;
+            vf m = v_load(s);
+            for (int c = 1; c < nc; c++) m = v_max(m, v_load(s + c * VW));
+            const float mnew = fmaxf(mx[h][g], v_hmax(m)), alpha = expf(mx[h][g] - mnew);  // 0 at the first span
+            const vf mv = v_set1(mnew);
+            vf tot = v_zero();
+            for (int c = 0; c < nc; c++) {
+                const vf e = v_first(v_exp(v_sub(v_load(s + c * VW), mv)), c == nc - 1 ? n - c * VW : VW, 0.f);
+                v_store(s + c * VW, e);
+                tot = v_add(tot, e);
+            }
+            v_store(rs, tot);
+            float esum = 0.f;
+            for (int j = 0; j < VW; j++) esum += rs[j];
+            sum[h][g] = sum[h][g] * alpha + esum, mx[h][g] = mnew;
+            if (alpha != 1.f) {
+                float *og = o[h] + (size_t)g * D;
+                const vf a = v_set1(alpha);
+                for (int i = 0; i < D; i += VW) v_store(og + i, v_mul(v_load(og + i), a));
+            }
         }
-        s = v_first(s, cnt, -INFINITY);
-        const float m = fmaxf(mx[g], v_hmax(s)), alpha = expf(mx[g] - m);  // 0 at the first chunk
-        const vf e = v_first(v_exp(v_sub(s, v_set1(m))), cnt, 0.f);
-        v_store(p, e);
-        float esum = 0.f;
-        for (int j = 0; j < VW; j++) esum += p[j];
-        sum[g] = sum[g] * alpha + esum, mx[g] = m;
-        v_store(p, v_mul(e, vscale));
-        float *og = o + (size_t)g * D;
-        for (int i = 0; i < D; i += VW) {
-            vf a = v_mul(v_load(og + i), v_set1(alpha));
-            for (int j = 0; j < VW; j++) a = v_fma(v_set1(p[j]), v_load(vr[j] + i), a);
-            v_store(og + i, a);
+    for (int c = 0; c < nc; c++) {
+        const int cnt = n - c * VW < VW ? n - c * VW : VW;
+        for (int h = 0; h < Hkv; h++) {
+            const float *vr = chunk_rows(vc, tab, c0 + c * VW, cnt, bs, Hkv, h, D, buf, &stride, rs);
+            pv_chunk(vr, stride, rs, sc[h * G] + c * VW, SPAN, cnt, o[h], D, G, D);
         }
     }
 }
 
-// Every KV head of one sequence over its positions t0 .. t1 - 1, chunk by chunk with the heads inner:
-// a chunk's tokens hold all their heads side by side ([bs, Hkv, D] blocks), so each block is read
-// from memory in one sweep rather than once a head, a row apart (xinfer-bench attention: 1.1x in
-// float32, 1.5x with fp8 at 16 x 512). o[h], mx[h], sum[h]: where KV head h's G query heads keep
-// their state.
+// Every KV head of one sequence over its positions t0 .. t1 - 1, a span at a time. o[h], mx[h],
+// sum[h]: where KV head h's G query heads keep their state.
 static void attend_range(const float *q, const xq_kv *kc, const xq_kv *vc, const int32_t *tab, int t0, int t1,
                          int G, int Hkv, int D, int bs, float scale, float softcap, float *const *o,
                          float *const *mx, float *const *sum) {
@@ -693,10 +812,14 @@ static void attend_range(const float *q, const xq_kv *kc, const xq_kv *vc, const
         for (int g = 0; g < G; g++) mx[h][g] = -INFINITY, sum[h][g] = 0.f;
         memset(o[h], 0, sizeof(float) * (size_t)G * D);
     }
-    for (int c0 = t0; c0 < t1; c0 += VW)
-        for (int h = 0; h < Hkv; h++)
-            attend_chunk(q + (size_t)h * G * D, kc, vc, tab, c0, t1 - c0 < VW ? t1 - c0 : VW, h, G, Hkv, D, bs,
-                         scale, softcap, o[h], mx[h], sum[h]);
+    for (int c0 = t0; c0 < t1; c0 += SPAN) {
+        const int n = t1 - c0 < SPAN ? t1 - c0 : SPAN;
+        if (!kc->warm) {
+            prefetch_span(kc, tab, c0, n, bs, Hkv * D);
+            prefetch_span(vc, tab, c0, n, bs, Hkv * D);
+        }
+        attend_span(q, kc, vc, tab, c0, n, G, Hkv, D, bs, scale, softcap, o, mx, sum);
+    }
 }
 
 // How many position ranges each sequence is split into: one where the sequences alone keep every
@@ -885,10 +1008,6 @@ struct kv_pf {
     size_t lpb, block_bytes, line, left, per;  // lpb: lines a block of one cache
 };
 
-static int kv_elem_bytes(int kind) {
-    return kind == KV_F32 ? 4 : kind == KV_BF16 || kind == KV_F16 ? 2 : kind == KV_E4M3 || kind == KV_E5M2 ? 1 : 0;
-}
-
 static void pf_init(kv_pf *p, const xq_layer *L, const int32_t *tables, int stride, const int32_t *lens, int B,
                     int bs, int Hkv, int D, int iters) {
     p->left = 0;
@@ -943,9 +1062,11 @@ void xinfer_decode(const xq_model *m, const float *x, float *out, int B, const i
     {
         for (int l = 0; l < m->n_layers; l++) {
             const xq_layer *L = &m->layers[l];
+            const int warm = l > 0 && kv_bytes(lens, B, m->bs, Hkv, D, L->kv_kind) <= PF_MAX_BYTES;  // all fetched
             const xq_kv kc = {L->k_cache, L->k_scale, L->kv_kind, L->kv_bits, L->levels, L->mids, L->rotation,
-                              L->k_shift};
-            const xq_kv vc = {L->v_cache, L->v_scale, L->kv_kind, L->kv_bits, L->levels, L->mids, L->rotation, NULL};
+                              L->k_shift, warm};
+            const xq_kv vc = {L->v_cache, L->v_scale, L->kv_kind, L->kv_bits, L->levels, L->mids, L->rotation, NULL,
+                              warm};
 #pragma omp single
             for (int b = 0; b < B; b++)  // the first layer's residual is its input
                 add_rmsnorm_row(y + (size_t)b * H, l ? res + (size_t)b * H : NULL, L->ln_in, h + (size_t)b * H, H,
