@@ -63,7 +63,8 @@ def lib():
     if so is None:
         return None
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    so.xinfer_q4_mm.argtypes = [p, p, p, p, p, i, i, i, i]
+    so.xinfer_q4_mm.argtypes = [p, p, p, p, p, i, i, i, i, p, p, p]
+    so.xinfer_q4_panels.argtypes = [p, p, p, i, i, p, p, p]
     so.xinfer_q8_mm.argtypes = [p, p, p, i, p, p, i, i, i, i]
     so.xinfer_paged_decode.argtypes = [p, p, p, p, p, i, p, i, p, p, i, i, i, i, i, f, i, f, i, p]
     so.xinfer_add_rmsnorm.argtypes = [p, p, p, p, i, i, f, f]

@@ -18,7 +18,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from ops.cpu_kernels import lib
+from ops.cpu_kernels import has_bf16, lib
 from xinfer.loader.gguf_file import BLOCK_TYPES
 from xinfer import envs
 
@@ -78,6 +78,19 @@ class QuantWeight:
     def __init__(self, kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, shape, gs: int = 1):
         self.kind, self.qs, self.d, self.m, self.shape, self.gs = kind, qs, d, m, tuple(shape), gs
         self.bf16 = False  # --cpu-matmul bfloat16: the kernels' bfloat16 dot products, where the CPU has them
+        self.panels = None  # q4 with bf16: (bytes, d, m) in 16-column panels (ops/cpu_kernels.c q4_panel)
+
+    def use_bf16(self, on: bool) -> None:
+        """Round to bfloat16 in the kernels; q4 weights then also get their panels, which every batch
+        up to MAX_ROWS reads (one row too: one stream a thread, measured faster in bench/NOTES-cpu.md)."""
+        self.bf16 = on
+        n, k = self.shape
+        if not on or self.kind != "q4" or n % 16 or not has_bf16():
+            self.panels = None
+            return
+        self.panels = (torch.zeros(n * k // 2, dtype=torch.uint8), torch.empty(n * k // 32), torch.empty(n * k // 32))
+        lib().xinfer_q4_panels(self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), n, k,
+                               *(t.data_ptr() for t in self.panels))
 
     @classmethod
     def from_gguf(cls, type_name: str, blocks: np.ndarray, shape) -> "QuantWeight":
@@ -174,7 +187,7 @@ class QuantWeight:
 
     def _like(self, qs, d, m, shape, gs: int | None = None) -> "QuantWeight":
         q = QuantWeight(self.kind, qs, d, m, shape, self.gs if gs is None else gs)
-        q.bf16 = self.bf16
+        q.use_bf16(self.bf16)
         return q
 
     def dequantize(self) -> torch.Tensor:
@@ -193,7 +206,8 @@ class QuantWeight:
         y = torch.empty(rows, n, dtype=torch.float32)
         if self.kind == "q4":
             lib().xinfer_q4_mm(self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), x.data_ptr(), y.data_ptr(),
-                               rows, n, k, self.bf16)
+                               rows, n, k, self.bf16, *(None if p is None else p.data_ptr()
+                                                         for p in self.panels or (None,) * 3))
         else:
             lib().xinfer_q8_mm(self.qs.data_ptr(), self.d.data_ptr(), None if self.m is None else self.m.data_ptr(),
                                self.gs, x.data_ptr(), y.data_ptr(), rows, n, k, self.bf16)

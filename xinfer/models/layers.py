@@ -298,7 +298,7 @@ def attach_fast(model: nn.Module, dtype: torch.dtype) -> int:
             mod.fast = pack(mod.weight.data, dtype)
             if mod.blocks is not None:
                 mod.weight.data = torch.empty(0, dtype=mod.weight.dtype)
-                mod.blocks.bf16 = bf16
+                mod.blocks.use_bf16(bf16)
             n += 1
     # float32: the head stays plain (a tied one is the embedding table too: packing would copy it);
     # pipeline parallel: the head is on the last stage
@@ -307,5 +307,5 @@ def attach_fast(model: nn.Module, dtype: torch.dtype) -> int:
     head = model.model.embed_tokens.weight if model.tied else model.lm_head.weight
     model.head_fast = pack(head.data, dtype)
     if getattr(model, "head_blocks", None) is not None:
-        model.head_blocks.bf16 = True
+        model.head_blocks.use_bf16(True)
     return n
