@@ -143,15 +143,17 @@ static inline __attribute__((always_inline)) void q8_rows_bf16(const int8_t *qs,
 }
 
 
-// q4 weights in 16-column panels (xinfer_q4_panels), for the bfloat16 kernels: per 16 output
-// columns, per 32-weight block, per pair of inputs (k, k + 1), 16 bytes: byte j holds in its low
-// nibble column j / 2's weight at k + j % 2, in its high nibble column 8 + j / 2's. d and m per
-// (panel, block) as 16 floats. Two integer conversions, two FMAs and one rounding make the 32
-// bfloat16 weights of one dot-product instruction (bit-identical to q4_block_bf16's), which every
-// row then uses: one weight stream a thread, read once a call, and no horizontal sums.
-static inline __attribute__((always_inline)) void q4_panel(const uint8_t *q, const float *dn, const float *mn,
-                                                          const uint16_t *xb, float *y, int K, int ldy,
-                                                          const float *bias, int rows) {
+// Weights in 16-column panels (xinfer_panels), for the bfloat16 kernels: per 16 output columns,
+// per 32-weight block, per pair of inputs (k, k + 1), the 32 weights of one dot-product
+// instruction: lanes 0-15 are columns 0-7 (k and k + 1 side by side), lanes 16-31 columns 8-15.
+// q4 (kind 0): 16 bytes, lane j in byte j's low nibble and lane 16 + j in its high one; q8 (1): 32
+// signed bytes. d and m per (panel, block) as 16 floats (m 0 for q8 without offsets). Integer
+// conversions, two FMAs and one rounding make the bfloat16 weights (the same values as the
+// q4_block_bf16 / q8_block ones), which every row then uses: one weight stream a thread, read once
+// a call, and no horizontal sums.
+static inline __attribute__((always_inline)) void panel_dot(const uint8_t *q, const float *dn, const float *mn,
+                                                           const uint16_t *xb, float *y, int K, int ldy,
+                                                           const float *bias, int kind, int rows) {
     const __m512i lo = _mm512_set1_epi32(0x0F);
     const __m512i dup0 = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     const __m512i dup1 = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
@@ -164,9 +166,17 @@ static inline __attribute__((always_inline)) void q4_panel(const uint8_t *q, con
         const __m512 d0 = _mm512_permutexvar_ps(dup0, d), d1 = _mm512_permutexvar_ps(dup1, d);
         const __m512 m0 = _mm512_permutexvar_ps(dup0, m), m1 = _mm512_permutexvar_ps(dup1, m);
         for (int p = 0; p < 16; p++) {
-            const __m512i w8 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + ((size_t)b * 16 + p) * 16)));
-            const __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(w8, lo)), d0, m0);
-            const __m512 c = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(w8, 4)), d1, m1);
+            __m512i i0, i1;
+            if (kind == 0) {
+                const __m512i w8 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + ((size_t)b * 16 + p) * 16)));
+                i0 = _mm512_and_si512(w8, lo), i1 = _mm512_srli_epi32(w8, 4);
+            } else {
+                const int8_t *w8 = (const int8_t *)q + ((size_t)b * 16 + p) * 32;
+                i0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w8));
+                i1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w8 + 16)));
+            }
+            const __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), d0, m0);
+            const __m512 c = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), d1, m1);
             const __m512bh w = _mm512_cvtne2ps_pbh(c, a);
             for (int r = 0; r < rows; r++)
                 acc[r] = _mm512_dpbf16_ps(acc[r], w, (__m512bh)_mm512_set1_epi32((int)x2[(size_t)r * kp + b * 16 + p]));
@@ -178,8 +188,8 @@ static inline __attribute__((always_inline)) void q4_panel(const uint8_t *q, con
 
 #define PANEL_ROWS 16  // rows a pass: 16 accumulators
 static void panel_rows(const uint8_t *q, const float *dn, const float *mn, const uint16_t *xb, float *y, int K,
-                       int ldy, const float *bias, int rows) {
-#define QP(R) q4_panel(q, dn, mn, xb, y, K, ldy, bias, R)
+                       int ldy, const float *bias, int kind, int rows) {
+#define QP(R) (kind == 0 ? panel_dot(q, dn, mn, xb, y, K, ldy, bias, 0, R) : panel_dot(q, dn, mn, xb, y, K, ldy, bias, 1, R))
     switch (rows) {
     case 1: QP(1); break; case 2: QP(2); break; case 3: QP(3); break; case 4: QP(4); break;
     case 5: QP(5); break; case 6: QP(6); break; case 7: QP(7); break; case 8: QP(8); break;
@@ -265,7 +275,7 @@ typedef struct {
     int kind, N, K;             // kind 0: q4, 1: q8
     int gs;                     // q8: scales per 32-weight block (1 or 2)
     int bf16;                   // 1: the bfloat16 kernels (where HAS_BF16; ignored elsewhere)
-    const uint8_t *pq;          // q4 with bf16: the same weights in panels (q4_panel), or NULL
+    const uint8_t *pq;          // with bf16: the same weights in panels (panel_dot), or NULL
     const float *pd, *pm;
 } xq_linear;
 
@@ -297,9 +307,9 @@ static void mm_team(const xq_linear *w, const float *x, float *y, int M, kv_pf *
 #pragma omp for schedule(static)
         for (int g = 0; g < w->N / 16; g++) {
             for (int m0 = 0; m0 < M; m0 += PANEL_ROWS)
-                panel_rows(w->pq + (size_t)g * 8 * w->K, w->pd + (size_t)g * nb * 16, w->pm + (size_t)g * nb * 16,
-                           xb + (size_t)m0 * w->K, y + (size_t)m0 * w->N + g * 16, w->K, w->N,
-                           w->bias ? w->bias + g * 16 : NULL, M - m0 < PANEL_ROWS ? M - m0 : PANEL_ROWS);
+                panel_rows(w->pq + (size_t)g * (w->kind ? 16 : 8) * w->K, w->pd + (size_t)g * nb * 16,
+                           w->pm + (size_t)g * nb * 16, xb + (size_t)m0 * w->K, y + (size_t)m0 * w->N + g * 16, w->K,
+                           w->N, w->bias ? w->bias + g * 16 : NULL, w->kind, M - m0 < PANEL_ROWS ? M - m0 : PANEL_ROWS);
             if (pf)
                 for (int i = 0; i < 16; i++) pf_step(pf);  // as often as the row loop below would
         }
@@ -341,26 +351,34 @@ void xinfer_q4_mm(const uint8_t *qs, const float *d, const float *mn, const floa
     mm_team(&w, x, y, M, NULL);
 }
 
-// q4 weights [N, K] (N a multiple of 16) as panels: pq N * K / 2 bytes, pd and pm N * K / 32 floats.
-void xinfer_q4_panels(const uint8_t *qs, const float *d, const float *mn, int N, int K, uint8_t *pq, float *pd,
-                      float *pm) {
+// Weights [N, K] (N a multiple of 16) as panels (panel_dot): q4 (kind 0, nibbles as in q4_rows) or
+// q8 with one scale a block (1); mn NULL: no offsets. pq N * K / 2 (q4) or N * K bytes, zeroed; pd
+// and pm N * K / 32 floats.
+void xinfer_panels(const uint8_t *qs, const float *d, const float *mn, int kind, int N, int K, uint8_t *pq, float *pd,
+                   float *pm) {
     const int nb = K / 32;
     for (int n = 0; n < N; n++)
         for (int b = 0; b < nb; b++) {
-            const size_t blk = (size_t)(n / 16) * nb + b, c = n % 16;
-            pd[blk * 16 + c] = d[(size_t)n * nb + b], pm[blk * 16 + c] = mn[(size_t)n * nb + b];
-            const uint8_t *src = qs + ((size_t)n * nb + b) * 16;  // weights j and 16 + j in byte j
+            const size_t blk = (size_t)(n / 16) * nb + b, i = (size_t)n * nb + b;
+            const int c = n % 16;
+            pd[blk * 16 + c] = d[i], pm[blk * 16 + c] = mn ? mn[i] : 0.f;
             for (int k = 0; k < 32; k++) {
-                const uint8_t v = k < 16 ? src[k] & 0x0F : src[k - 16] >> 4;
-                uint8_t *dst = pq + (blk * 16 + k / 2) * 16 + (c % 8) * 2 + k % 2;
-                *dst = c < 8 ? (uint8_t)((*dst & 0xF0) | v) : (uint8_t)((*dst & 0x0F) | (v << 4));
+                const int lane = (c % 8) * 2 + k % 2;  // within its half
+                if (kind == 0) {
+                    const uint8_t *src = qs + i * 16;  // weights j and 16 + j in byte j
+                    const uint8_t v = k < 16 ? src[k] & 0x0F : src[k - 16] >> 4;
+                    uint8_t *dst = pq + (blk * 16 + k / 2) * 16 + lane;
+                    *dst = c < 8 ? (uint8_t)((*dst & 0xF0) | v) : (uint8_t)((*dst & 0x0F) | (v << 4));
+                } else {
+                    pq[(blk * 16 + k / 2) * 32 + (c < 8 ? 0 : 16) + lane] = qs[i * 32 + k];
+                }
             }
         }
 }
 
 void xinfer_q8_mm(const int8_t *qs, const float *d, const float *mn, int gs, const float *x, float *y, int M, int N,
-                  int K, int bf16) {
-    const xq_linear w = {qs, d, mn, NULL, 1, N, K, gs, bf16};
+                  int K, int bf16, const uint8_t *pq, const float *pd, const float *pm) {
+    const xq_linear w = {qs, d, mn, NULL, 1, N, K, gs, bf16, pq, pd, pm};
 #pragma omp parallel
     mm_team(&w, x, y, M, NULL);
 }

@@ -78,19 +78,22 @@ class QuantWeight:
     def __init__(self, kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, shape, gs: int = 1):
         self.kind, self.qs, self.d, self.m, self.shape, self.gs = kind, qs, d, m, tuple(shape), gs
         self.bf16 = False  # --cpu-matmul bfloat16: the kernels' bfloat16 dot products, where the CPU has them
-        self.panels = None  # q4 with bf16: (bytes, d, m) in 16-column panels (ops/cpu_kernels.c q4_panel)
+        self.panels = None  # with bf16: (bytes, d, m) in 16-column panels (ops/cpu_kernels.c panel_dot)
 
     def use_bf16(self, on: bool) -> None:
-        """Round to bfloat16 in the kernels; q4 weights then also get their panels, which every batch
-        up to MAX_ROWS reads (one row too: one stream a thread, measured faster in bench/NOTES-cpu.md)."""
+        """Round to bfloat16 in the kernels; q4 weights and q8 ones with one scale a block then also
+        get their panels, which every batch up to MAX_ROWS reads (one row too: one stream a thread,
+        measured faster in bench/NOTES-cpu.md)."""
         self.bf16 = on
         n, k = self.shape
-        if not on or self.kind != "q4" or n % 16 or not has_bf16():
+        if not on or n % 16 or self.gs != 1 or not has_bf16():
             self.panels = None
             return
-        self.panels = (torch.zeros(n * k // 2, dtype=torch.uint8), torch.empty(n * k // 32), torch.empty(n * k // 32))
-        lib().xinfer_q4_panels(self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), n, k,
-                               *(t.data_ptr() for t in self.panels))
+        kind = 0 if self.kind == "q4" else 1
+        self.panels = (torch.zeros(n * k // (2 - kind), dtype=torch.uint8), torch.empty(n * k // 32),
+                       torch.empty(n * k // 32))
+        lib().xinfer_panels(self.qs.data_ptr(), self.d.data_ptr(), None if self.m is None else self.m.data_ptr(),
+                            kind, n, k, *(t.data_ptr() for t in self.panels))
 
     @classmethod
     def from_gguf(cls, type_name: str, blocks: np.ndarray, shape) -> "QuantWeight":
@@ -204,11 +207,11 @@ class QuantWeight:
         x = x.contiguous()
         rows, (n, k) = x.shape[0], self.shape
         y = torch.empty(rows, n, dtype=torch.float32)
+        panels = [None if p is None else p.data_ptr() for p in self.panels or (None,) * 3]
         if self.kind == "q4":
             lib().xinfer_q4_mm(self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), x.data_ptr(), y.data_ptr(),
-                               rows, n, k, self.bf16, *(None if p is None else p.data_ptr()
-                                                         for p in self.panels or (None,) * 3))
+                               rows, n, k, self.bf16, *panels)
         else:
             lib().xinfer_q8_mm(self.qs.data_ptr(), self.d.data_ptr(), None if self.m is None else self.m.data_ptr(),
-                               self.gs, x.data_ptr(), y.data_ptr(), rows, n, k, self.bf16)
+                               self.gs, x.data_ptr(), y.data_ptr(), rows, n, k, self.bf16, *panels)
         return y

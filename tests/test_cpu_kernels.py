@@ -76,7 +76,7 @@ def test_bf16_dot_products_match_rounded_float32(type_name):
     result does not depend on the rows beside it (what keeps speculative decoding lossless here)."""
     q, ref = _blocks(type_name)
     q.use_bf16(True)
-    assert (q.panels is not None) == (q.kind == "q4" and q.shape[0] % 16 == 0)  # the panel kernel takes q4
+    assert (q.panels is not None) == (q.gs == 1 and q.shape[0] % 16 == 0)  # what the panel kernel takes
     for rows in [1, 2, 3, 5, 8, 9, 12, 17, 24]:
         x = torch.randn(rows, ref.shape[1])
         got = q(x)
