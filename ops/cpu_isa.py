@@ -71,6 +71,6 @@ def describe(matmul: str, blocks: bool, bf16_dots: bool = False) -> str:
     big = "bfloat16 GEMMs (oneDNN" + (", AMX tiles)" if level() == "amx" else ")") if matmul == "bfloat16" \
         else "float32 GEMMs (oneDNN)"
     from ops.quant import MAX_ROWS
-    dots = " (bfloat16 dot products)" if matmul == "bfloat16" and bf16_dots else ""
+    dots = " (bfloat16 dot products, 16-column panels)" if matmul == "bfloat16" and bf16_dots else ""
     small = f"GGUF block kernels{dots} up to {MAX_ROWS} rows, then " if blocks else ""
     return f"cpu {level()}: decode {small}{big}; batched decode and prefill: {big}"
