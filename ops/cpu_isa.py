@@ -66,6 +66,12 @@ def has_bf16() -> bool:
     return LEVELS.index(level()) >= LEVELS.index("avx512_bf16")
 
 
+def fast_matmul() -> str:
+    """--cpu-matmul auto's choice for this CPU (bench/NOTES-cpu.md): bfloat16 with BF16 dot products;
+    AVX2 without AVX-512: int16 activations in the block kernels (float32 GEMMs); else float32."""
+    return "bfloat16" if has_bf16() else "int16" if level() == "avx2" else "float32"
+
+
 def describe(matmul: str, blocks: bool, bf16_dots: bool = False) -> str:
     """The one start-up line: the level and the path that serves each kind of step."""
     big = "bfloat16 GEMMs (oneDNN" + (", AMX tiles)" if level() == "amx" else ")") if matmul == "bfloat16" \

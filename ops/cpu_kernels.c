@@ -22,12 +22,23 @@
 
 #define MR 4  // activation rows per pass over the weights
 
+// `rows` a constant in each case, so the accumulators stay in registers
+#define ROWS_CASES(CALL) \
+    switch (rows) { case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; \
+                    case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(8); }
+
 // A q8 block's scales: block i (row n * nb + b) has gs of them; without m, fma(q, d, 0) is q * d exactly.
 typedef struct { float d0, d1, m0, m1; } q8_scales;
 static inline q8_scales q8_at(const float *d, const float *mn, size_t i, int gs) {
     const size_t j = i * gs, k = j + gs - 1;
     q8_scales s = {d[j], d[k], mn ? mn[j] : 0.f, mn ? mn[k] : 0.f};
     return s;
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
 #if defined(__AVX512F__)
@@ -199,21 +210,13 @@ static void panel_rows(const uint8_t *q, const float *dn, const float *mn, const
 #undef QP
 }
 
-// `rows` a constant in each case, so the accumulators stay in registers
-#define ROWS_CASES(CALL) \
-    switch (rows) { case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; \
-                    case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(8); }
 
 #endif
 #elif defined(__AVX2__) && defined(__FMA__)
 // The same two kernels in 8-wide AVX2 (+ FMA): weights rebuilt the same way, eight at a time.
 #define SIMD_WIDTH 256
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
+static inline float hsum(__m256 v) { return hsum8(v); }
 
 static inline void q4_rows(const uint8_t *qs, const float *d, const float *mn, const float *x, float *y,
                            int rows, int n, int K, int ldy) {
@@ -268,13 +271,108 @@ static inline void q8_rows(const int8_t *qs, const float *d, const float *mn, in
 int xinfer_simd_width(void) { return SIMD_WIDTH; }
 int xinfer_has_bf16(void) { return HAS_BF16; }
 
+// --cpu-matmul int16: the activations quantized per 32 values to 16 bits (d = max |x| / 32767, q = x / d
+// rounded to nearest) and multiplied with the blocks' own integers, widened to 16 bits, by integer
+// multiply-adds (vpmaddwd: 16 products and 8 sums an instruction, where the float kernels rebuild
+// each weight in float32 first: about half the instructions a block for one row). Each block's
+// products are summed exactly in int32 and scaled by d_w * d_x; the offsets m multiply the exact
+// float sums of x. 8-bit activations (llama.cpp's) failed the fidelity budget here: mean KLD 0.015
+// (bench/NOTES-cpu.md). AVX2 instructions, so the AVX-512 builds have it too.
+typedef struct {
+    int16_t *q;          // [M, K]
+    float *d, *s1, *s2;  // [M, K / 32]: scale and sum of x a block; s2 [M, K / 16]: sums of its halves
+} xq_act;
+
+static void quant_act(const float *x, int M, int K, xq_act *a) {
+    const int nb = K / 32;
+    for (size_t i = 0; i < (size_t)M * nb; i++) {
+        const float *xb = x + i * 32;
+        __m256 v[4], mx = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(xb + 8 * j);
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(_mm256_set1_ps(-0.f), v[j]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        const __m256 id = _mm256_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
+        for (int j = 0; j < 4; j += 2) {  // nearest, ties to even; packs interleaves 128-bit lanes, 0xD8 undoes it
+            const __m256i n = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[j], id)),
+                                                 _mm256_cvtps_epi32(_mm256_mul_ps(v[j + 1], id)));
+            _mm256_storeu_si256((__m256i *)(a->q + i * 32 + 8 * j), _mm256_permute4x64_epi64(n, 0xD8));
+        }
+        a->d[i] = amax / 32767.f;
+        const float h0 = hsum8(_mm256_add_ps(v[0], v[1])), h1 = hsum8(_mm256_add_ps(v[2], v[3]));
+        a->s2[2 * i] = h0, a->s2[2 * i + 1] = h1, a->s1[i] = h0 + h1;
+    }
+}
+
+static xq_act act_alloc(int M, int K) {
+    const size_t nb = (size_t)M * (K / 32);
+    xq_act a = {malloc(sizeof(int16_t) * (size_t)M * K), malloc(sizeof(float) * nb * 4), NULL, NULL};
+    a.s1 = a.d + nb, a.s2 = a.d + 2 * nb;
+    return a;
+}
+
+static inline float dotf(const float *a, const float *b, int n) {
+    __m256 s = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s);
+    float t = hsum8(s);
+    for (; i < n; i++) t += a[i] * b[i];
+    return t;
+}
+
+// Rows r0 .. r0 + rows - 1 of the activations against output n, for q4 (kind 0) or q8 weights.
+static inline __attribute__((always_inline)) void rows_i16(const void *qs, const float *d, const float *mn, int kind,
+                                                          int gs, const xq_act *a, int r0, float *y, int rows, int n,
+                                                          int K, int ldy) {
+    const int nb = K / 32;
+    __m256 acc[MR];
+    for (int r = 0; r < MR; r++) acc[r] = _mm256_setzero_ps();
+    const float *dn = d + (size_t)n * nb * gs;
+    for (int b = 0; b < nb; b++) {
+        __m256i w0, w1;  // weights 0-15 and 16-31 as 16-bit integers
+        if (kind == 0) {
+            const __m128i raw = _mm_loadu_si128((const __m128i *)((const uint8_t *)qs + ((size_t)n * nb + b) * 16));
+            const __m128i low = _mm_set1_epi8(0x0F);
+            w0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low));
+            w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low));
+        } else {
+            const int8_t *q = (const int8_t *)qs + ((size_t)n * nb + b) * 32;
+            w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)q));
+            w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16)));
+        }
+        const __m256 d0 = _mm256_set1_ps(dn[b * gs]), d1 = _mm256_set1_ps(dn[b * gs + gs - 1]);
+        for (int r = 0; r < rows; r++) {
+            const size_t i = (size_t)(r0 + r) * nb + b;
+            const __m256i *xq = (const __m256i *)(a->q + i * 32);
+            const __m256i p0 = _mm256_madd_epi16(w0, _mm256_loadu_si256(xq));
+            const __m256i p1 = _mm256_madd_epi16(w1, _mm256_loadu_si256(xq + 1));
+            const __m256 dx = _mm256_set1_ps(a->d[i]);
+            if (gs == 1) {
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), _mm256_mul_ps(d0, dx), acc[r]);
+            } else {
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_mul_ps(d0, dx), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_mul_ps(d1, dx), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        const float *s = gs == 1 ? a->s1 + (size_t)(r0 + r) * nb : a->s2 + (size_t)(r0 + r) * 2 * nb;
+        y[(size_t)r * ldy + n] = hsum8(acc[r]) + (mn ? dotf(mn + (size_t)n * nb * gs, s, nb * gs) : 0.f);
+    }
+}
+
+enum { PREC_F32, PREC_BF16, PREC_INT16 };
+
 // A quantized linear as the decode step reads it (ops/cpu_decode.py fills these).
 typedef struct {
     const void *qs;
     const float *d, *m, *bias;  // m: q4 only; bias may be NULL
     int kind, N, K;             // kind 0: q4, 1: q8
     int gs;                     // q8: scales per 32-weight block (1 or 2)
-    int bf16;                   // 1: the bfloat16 kernels (where HAS_BF16; ignored elsewhere)
+    int prec;                   // PREC_*: bfloat16 where HAS_BF16 (else float32), int16 activations
     const uint8_t *pq;          // with bf16: the same weights in panels (panel_dot), or NULL
     const float *pd, *pm;
 } xq_linear;
@@ -297,9 +395,29 @@ static void mm_team(const xq_linear *w, const float *x, float *y, int M, kv_pf *
     // row through each in passes of mr rows, so a weight row comes from memory once a call (the
     // later passes find it in L1) however many rows the batch has. Each row's sums are the same
     // whatever rows share its pass.
+    if (w->prec == PREC_INT16) {
+        // each thread quantizes the rows itself (M * K values): no barrier, no shared buffer
+        xq_act a = act_alloc(M, w->K);
+        quant_act(x, M, w->K, &a);
+#define I16(R) rows_i16(w->qs, w->d, w->m, w->kind, w->gs, &a, m0, ym, R, n, w->K, w->N)
+#pragma omp for schedule(static)
+        for (int n = 0; n < w->N; n++) {
+            for (int m0 = 0; m0 < M; m0 += MR) {
+                const int rows = M - m0 < MR ? M - m0 : MR;
+                float *ym = y + (size_t)m0 * w->N;
+                switch (rows) { case 1: I16(1); break; case 2: I16(2); break; case 3: I16(3); break; default: I16(4); }
+                if (w->bias)
+                    for (int r = 0; r < rows; r++) ym[(size_t)r * w->N + n] += w->bias[n];
+            }
+            if (pf) pf_step(pf);
+        }
+#undef I16
+        free(a.q), free(a.d);
+        return;
+    }
 #if HAS_BF16
     // each thread rounds the rows itself (M * K values): no barrier, no shared buffer
-    uint16_t *xb = w->bf16 ? malloc(sizeof(uint16_t) * (size_t)M * w->K) : NULL;
+    uint16_t *xb = w->prec == PREC_BF16 ? malloc(sizeof(uint16_t) * (size_t)M * w->K) : NULL;
     if (xb) to_bf16(x, xb, M * w->K);
     const int mr = xb ? MRB : MR;
     if (xb && w->pq) {
@@ -345,8 +463,8 @@ static void mm_team(const xq_linear *w, const float *x, float *y, int M, kv_pf *
 
 // x [M, K] and y [M, N] row-major float32, K a multiple of 32. pq, pd, pm: the panels, or NULL.
 void xinfer_q4_mm(const uint8_t *qs, const float *d, const float *mn, const float *x, float *y, int M, int N, int K,
-                  int bf16, const uint8_t *pq, const float *pd, const float *pm) {
-    const xq_linear w = {qs, d, mn, NULL, 0, N, K, 1, bf16, pq, pd, pm};
+                  int prec, const uint8_t *pq, const float *pd, const float *pm) {
+    const xq_linear w = {qs, d, mn, NULL, 0, N, K, 1, prec, pq, pd, pm};
 #pragma omp parallel
     mm_team(&w, x, y, M, NULL);
 }
@@ -377,8 +495,8 @@ void xinfer_panels(const uint8_t *qs, const float *d, const float *mn, int kind,
 }
 
 void xinfer_q8_mm(const int8_t *qs, const float *d, const float *mn, int gs, const float *x, float *y, int M, int N,
-                  int K, int bf16, const uint8_t *pq, const float *pd, const float *pm) {
-    const xq_linear w = {qs, d, mn, NULL, 1, N, K, gs, bf16, pq, pd, pm};
+                  int K, int prec, const uint8_t *pq, const float *pd, const float *pm) {
+    const xq_linear w = {qs, d, mn, NULL, 1, N, K, gs, prec, pq, pd, pm};
 #pragma omp parallel
     mm_team(&w, x, y, M, NULL);
 }

@@ -25,6 +25,8 @@ from xinfer import envs
 # Where the block kernels stop paying: float32 GEMMs catch up at ~16-24 rows, bfloat16 ones on
 # prepacked weights at 16-20 (2-core Zen 4, bench/NOTES-cpu.md).
 MAX_ROWS = envs.quant_max_rows() or 16
+MATMULS = ("float32", "bfloat16", "int16")  # --cpu-matmul's settings, in the kernels' PREC_* order
+PREC = {m: i for i, m in enumerate(MATMULS)}
 
 
 _ONE, _ZERO = np.array([1.0], np.float16).view(np.uint8), np.zeros(2, np.uint8)
@@ -77,16 +79,17 @@ class QuantWeight:
 
     def __init__(self, kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, shape, gs: int = 1):
         self.kind, self.qs, self.d, self.m, self.shape, self.gs = kind, qs, d, m, tuple(shape), gs
-        self.bf16 = False  # --cpu-matmul bfloat16: the kernels' bfloat16 dot products, where the CPU has them
-        self.panels = None  # with bf16: (bytes, d, m) in 16-column panels (ops/cpu_kernels.c panel_dot)
+        self.prec = 0  # the kernels' arithmetic: PREC's value for --cpu-matmul (ops/cpu_kernels.c)
+        self.panels = None  # bfloat16: (bytes, d, m) in 16-column panels (ops/cpu_kernels.c panel_dot)
 
-    def use_bf16(self, on: bool) -> None:
-        """Round to bfloat16 in the kernels; q4 weights and q8 ones with one scale a block then also
-        get their panels, which every batch up to MAX_ROWS reads (one row too: one stream a thread,
-        measured faster in bench/NOTES-cpu.md)."""
-        self.bf16 = on
+    def use(self, matmul: str) -> None:
+        """--cpu-matmul: float32 (exact weights, float32 sums), bfloat16 (rounded, where the CPU has
+        the dot products) or int16 (activations quantized per 32 values to 16 bits). In bfloat16, q4 weights and
+        q8 ones with one scale a block also get their panels, which every batch up to MAX_ROWS reads
+        (one row too: one stream a thread, measured faster in bench/NOTES-cpu.md)."""
+        self.prec = PREC[matmul]
         n, k = self.shape
-        if not on or n % 16 or self.gs != 1 or not has_bf16():
+        if matmul != "bfloat16" or n % 16 or self.gs != 1 or not has_bf16():
             self.panels = None
             return
         kind = 0 if self.kind == "q4" else 1
@@ -190,7 +193,7 @@ class QuantWeight:
 
     def _like(self, qs, d, m, shape, gs: int | None = None) -> "QuantWeight":
         q = QuantWeight(self.kind, qs, d, m, shape, self.gs if gs is None else gs)
-        q.use_bf16(self.bf16)
+        q.use(MATMULS[self.prec])
         return q
 
     def dequantize(self) -> torch.Tensor:
@@ -210,8 +213,8 @@ class QuantWeight:
         panels = [None if p is None else p.data_ptr() for p in self.panels or (None,) * 3]
         if self.kind == "q4":
             lib().xinfer_q4_mm(self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), x.data_ptr(), y.data_ptr(),
-                               rows, n, k, self.bf16, *panels)
+                               rows, n, k, self.prec, *panels)
         else:
             lib().xinfer_q8_mm(self.qs.data_ptr(), self.d.data_ptr(), None if self.m is None else self.m.data_ptr(),
-                               self.gs, x.data_ptr(), y.data_ptr(), rows, n, k, self.bf16, *panels)
+                               self.gs, x.data_ptr(), y.data_ptr(), rows, n, k, self.prec, *panels)
         return y

@@ -75,7 +75,7 @@ def test_bf16_dot_products_match_rounded_float32(type_name):
     """--cpu-matmul bfloat16: weights and activations rounded to bfloat16, float32 sums; a row's
     result does not depend on the rows beside it (what keeps speculative decoding lossless here)."""
     q, ref = _blocks(type_name)
-    q.use_bf16(True)
+    q.use("bfloat16")
     assert (q.panels is not None) == (q.gs == 1 and q.shape[0] % 16 == 0)  # what the panel kernel takes
     for rows in [1, 2, 3, 5, 8, 9, 12, 17, 24]:
         x = torch.randn(rows, ref.shape[1])

@@ -139,8 +139,8 @@ class EngineConfig:
         self._check_isq()
         if self.pooling not in POOLINGS:
             raise ValueError(f"--pooling must be one of {list(POOLINGS)}, got {self.pooling!r}")
-        if self.cpu_matmul not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"--cpu-matmul must be auto, float32 or bfloat16, got {self.cpu_matmul!r}")
+        if self.cpu_matmul not in ("auto", "float32", "bfloat16", "int16"):
+            raise ValueError(f"--cpu-matmul must be auto, float32, bfloat16 or int16, got {self.cpu_matmul!r}")
         if not 0 < self.kv_fraction <= 1:
             raise ValueError(f"--kv-fraction must be in (0, 1], got {self.kv_fraction}")
         if self.overlap_schedule not in ("auto", "on", "off"):
@@ -222,7 +222,7 @@ class EngineConfig:
         if self.cpu_matmul == "auto":
             from ops import cpu_isa
             cpu = self.device.startswith("cpu") and self.dtype == "float32"
-            self.cpu_matmul = "bfloat16" if cpu and fast and cpu_isa.has_bf16() else "float32"
+            self.cpu_matmul = cpu_isa.fast_matmul() if cpu and fast else "float32"
         return self.resolve_context(model_config)
 
     def resolve_context(self, model_config: dict) -> "EngineConfig":

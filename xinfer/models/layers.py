@@ -284,28 +284,28 @@ def attach_blocks(model: nn.Module, blocks, remap=None) -> int:
     return count
 
 
-def attach_fast(model: nn.Module, dtype: torch.dtype) -> int:
+def attach_fast(model: nn.Module, matmul: str) -> int:
     """The weights that the batches the GGUF blocks do not take multiply with, packed once
-    (ops/linear.py pack). --cpu-matmul bfloat16: a bfloat16 copy for each Linear and the LM head,
-    and the blocks' kernels round to bfloat16 too. float32: the Linears that have blocks. A Linear
-    with blocks no longer reads its plain weight (small batches read the blocks, the rest the
-    packed one): it is freed, so the model takes no more memory than before (less in bfloat16).
-    Returns how many weights were packed."""
-    bf16 = dtype == torch.bfloat16
+    (ops/linear.py pack), and the blocks' arithmetic (--cpu-matmul, ops/quant.py QuantWeight.use).
+    bfloat16: a bfloat16 copy for each Linear and the LM head. float32 and int16 (whose GEMMs are
+    float32): the Linears that have blocks. A Linear with blocks no longer reads its plain weight
+    (small batches read the blocks, the rest the packed one): it is freed, so the model takes no
+    more memory than before (less in bfloat16). Returns how many weights were packed."""
+    bf16 = matmul == "bfloat16"
+    dtype = torch.bfloat16 if bf16 else torch.float32
     n = 0
     for mod in model.modules():
         if isinstance(mod, Linear) and (bf16 or mod.blocks is not None):
             mod.fast = pack(mod.weight.data, dtype)
             if mod.blocks is not None:
                 mod.weight.data = torch.empty(0, dtype=mod.weight.dtype)
-                mod.blocks.use_bf16(bf16)
+                mod.blocks.use(matmul)
             n += 1
+    if getattr(model, "head_blocks", None) is not None:
+        model.head_blocks.use(matmul)
     # float32: the head stays plain (a tied one is the embedding table too: packing would copy it);
     # pipeline parallel: the head is on the last stage
-    if not bf16 or not tp.last_stage():
-        return n
-    head = model.model.embed_tokens.weight if model.tied else model.lm_head.weight
-    model.head_fast = pack(head.data, dtype)
-    if getattr(model, "head_blocks", None) is not None:
-        model.head_blocks.use_bf16(True)
+    if bf16 and tp.last_stage():
+        head = model.model.embed_tokens.weight if model.tied else model.lm_head.weight
+        model.head_fast = pack(head.data, dtype)
     return n

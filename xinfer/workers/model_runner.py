@@ -129,7 +129,7 @@ class ModelRunner:
             log.info("%s: %d of %d quantized weights read in place by the block kernels (batches of up to %d rows)",
                      info.quant.method, n, len(ckpt_blocks), MAX_ROWS)
         if self.device.type == "cpu" and self.dtype == torch.float32:
-            attach_fast(model, torch.bfloat16 if self.config.cpu_matmul == "bfloat16" else torch.float32)
+            attach_fast(model, self.config.cpu_matmul)
         return model
 
     def _kv_blocks(self, per_block: int) -> int:
