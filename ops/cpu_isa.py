@@ -72,11 +72,18 @@ def fast_matmul() -> str:
     return "bfloat16" if has_bf16() else "int16" if level() == "avx2" else "float32"
 
 
+def block_rows() -> int:
+    """The largest batch the block kernels take (XINFER_QUANT_MAX_ROWS, else where the GEMMs were
+    measured to catch up, bench/NOTES-cpu.md): 64 on AVX2, whose 8-column float32 panels beat its
+    float32 GEMMs there (the weights stream at a quarter of the bytes), 16 elsewhere."""
+    return envs.quant_max_rows() or (64 if level() == "avx2" else 16)
+
+
 def describe(matmul: str, blocks: bool, bf16_dots: bool = False) -> str:
     """The one start-up line: the level and the path that serves each kind of step."""
     big = "bfloat16 GEMMs (oneDNN" + (", AMX tiles)" if level() == "amx" else ")") if matmul == "bfloat16" \
         else "float32 GEMMs (oneDNN)"
-    from ops.quant import MAX_ROWS
-    dots = " (bfloat16 dot products, 16-column panels)" if matmul == "bfloat16" and bf16_dots else ""
-    small = f"GGUF block kernels{dots} up to {MAX_ROWS} rows, then " if blocks else ""
+    dots = " (bfloat16 dot products, 16-column panels)" if matmul == "bfloat16" and bf16_dots else \
+        " (16-bit integer activations up to 3 rows, then float32 8-column panels)" if matmul == "int16" else ""
+    small = f"GGUF block kernels{dots} up to {block_rows()} rows, then " if blocks else ""
     return f"cpu {level()}: decode {small}{big}; batched decode and prefill: {big}"

@@ -364,7 +364,80 @@ static inline __attribute__((always_inline)) void rows_i16(const void *qs, const
     }
 }
 
+// Weights in 8-column panels (xinfer_panels8), for the float32 kernels of the AVX2 build: per 8
+// output columns, per 32-weight block, per input k, the 8 columns' weights side by side: q4 (kind 0)
+// in a 32-bit word, column c in bits 4c..4c + 3; q8 (1) in 8 signed bytes. d and m per (panel,
+// block) as 8 floats (m 0 for q8 without offsets). Each weight is rebuilt once (d * q + m in one
+// rounding, the same values as the row kernels') and used by every row of a pass against its
+// broadcast activation: one FMA per 8 products, no horizontal sums, one weight stream a thread.
+#define PANEL8_ROWS 12  // rows a pass: 12 accumulators, the rest of the 16 registers for the weights
+// Twelve named accumulators, those of rows R and up compiled out: as an array, GCC stored every
+// accumulator to the stack on each iteration (3x slower).
+#define A8_EACH(OP) OP(0) OP(1) OP(2) OP(3) OP(4) OP(5) OP(6) OP(7) OP(8) OP(9) OP(10) OP(11)
+#define A8_ZERO(i) __m256 a##i = _mm256_setzero_ps();
+#define A8_FMA(i) if (i < rows) a##i = _mm256_fmadd_ps(w, _mm256_broadcast_ss(x + (size_t)i * K + b * 32 + k), a##i);
+#define A8_STORE(i) if (i < rows) _mm256_storeu_ps(y + (size_t)i * ldy, _mm256_add_ps(a##i, bv));
+#define PANEL8_DOT(KIND, R)                                                                                     \
+    static void panel8_##KIND##_##R(const uint8_t *q, const float *dn, const float *mn, const float *x, float *y, \
+                                    int K, int ldy, const float *bias) {                                        \
+        const int rows = R;                                                                                     \
+        const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), lo = _mm256_set1_epi32(0x0F);  \
+        A8_EACH(A8_ZERO)                                                                                        \
+        for (int b = 0; b < K / 32; b++) {                                                                      \
+            const __m256 d = _mm256_loadu_ps(dn + b * 8), m = _mm256_loadu_ps(mn + b * 8);                      \
+            for (int k = 0; k < 32; k++) {                                                                      \
+                __m256i qi;                                                                                     \
+                if (KIND == 0) {                                                                                \
+                    int32_t word;                                                                               \
+                    memcpy(&word, q + ((size_t)b * 32 + k) * 4, 4);                                             \
+                    qi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), lo);              \
+                } else {                                                                                        \
+                    qi = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + ((size_t)b * 32 + k) * 8))); \
+                }                                                                                               \
+                const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(qi), d, m);                                 \
+                A8_EACH(A8_FMA)                                                                                 \
+            }                                                                                                   \
+        }                                                                                                       \
+        const __m256 bv = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();                                  \
+        A8_EACH(A8_STORE)                                                                                       \
+    }
+#define PANEL8_KINDS(R) PANEL8_DOT(0, R) PANEL8_DOT(1, R)
+PANEL8_KINDS(1) PANEL8_KINDS(2) PANEL8_KINDS(3) PANEL8_KINDS(4) PANEL8_KINDS(5) PANEL8_KINDS(6)
+PANEL8_KINDS(7) PANEL8_KINDS(8) PANEL8_KINDS(9) PANEL8_KINDS(10) PANEL8_KINDS(11) PANEL8_KINDS(12)
+
+typedef void (*panel8_fn)(const uint8_t *, const float *, const float *, const float *, float *, int, int,
+                          const float *);
+#define P8(R) {panel8_0_##R, panel8_1_##R}
+static const panel8_fn PANEL8[PANEL8_ROWS][2] = {P8(1), P8(2), P8(3), P8(4), P8(5), P8(6),
+                                                 P8(7), P8(8), P8(9), P8(10), P8(11), P8(12)};
+#undef P8
+
+// Weights [N, K] (N a multiple of 8) as 8-column panels (panel8_dot), from the row layout: q4 (kind
+// 0) or q8 with one scale a block (1); mn NULL: no offsets. pq N * K / 2 (q4) or N * K bytes; pd and
+// pm N * K / 32 floats.
+void xinfer_panels8(const uint8_t *qs, const float *d, const float *mn, int kind, int N, int K, uint8_t *pq, float *pd,
+                    float *pm) {
+    const int nb = K / 32;
+    for (int n = 0; n < N; n++)
+        for (int b = 0; b < nb; b++) {
+            const size_t blk = (size_t)(n / 8) * nb + b, i = (size_t)n * nb + b;
+            const int c = n % 8;
+            pd[blk * 8 + c] = d[i], pm[blk * 8 + c] = mn ? mn[i] : 0.f;
+            for (int k = 0; k < 32; k++) {
+                if (kind == 0) {
+                    const uint8_t *src = qs + i * 16;  // weights j and 16 + j in byte j
+                    const uint8_t v = k < 16 ? src[k] & 0x0F : src[k - 16] >> 4;
+                    uint8_t *dst = pq + (blk * 32 + k) * 4 + c / 2;
+                    *dst = c % 2 ? (uint8_t)((*dst & 0x0F) | (v << 4)) : (uint8_t)((*dst & 0xF0) | v);
+                } else {
+                    pq[(blk * 32 + k) * 8 + c] = qs[i * 32 + k];
+                }
+            }
+        }
+}
+
 enum { PREC_F32, PREC_BF16, PREC_INT16 };
+#define INT16_ROWS 3  // --cpu-matmul int16 up to this many rows; more reuse each rebuilt weight enough for float32
 
 // A quantized linear as the decode step reads it (ops/cpu_decode.py fills these).
 typedef struct {
@@ -395,7 +468,23 @@ static void mm_team(const xq_linear *w, const float *x, float *y, int M, kv_pf *
     // row through each in passes of mr rows, so a weight row comes from memory once a call (the
     // later passes find it in L1) however many rows the batch has. Each row's sums are the same
     // whatever rows share its pass.
-    if (w->prec == PREC_INT16) {
+    const int i16 = w->prec == PREC_INT16 && M <= INT16_ROWS;
+#if !HAS_BF16
+    if (w->pq && !i16) {  // 8-column panels (the AVX2 build's float32 path)
+        const int nb = w->K / 32;
+#pragma omp for schedule(static)
+        for (int g = 0; g < w->N / 8; g++) {
+            for (int m0 = 0; m0 < M; m0 += PANEL8_ROWS)
+                PANEL8[(M - m0 < PANEL8_ROWS ? M - m0 : PANEL8_ROWS) - 1][w->kind](
+                    w->pq + (size_t)g * (w->kind ? 8 : 4) * w->K, w->pd + (size_t)g * nb * 8, w->pm + (size_t)g * nb * 8,
+                    x + (size_t)m0 * w->K, y + (size_t)m0 * w->N + g * 8, w->K, w->N, w->bias ? w->bias + g * 8 : NULL);
+            if (pf)
+                for (int i = 0; i < 8; i++) pf_step(pf);  // as often as the row loop below would
+        }
+        return;
+    }
+#endif
+    if (i16) {
         // each thread quantizes the rows itself (M * K values): no barrier, no shared buffer
         xq_act a = act_alloc(M, w->K);
         quant_act(x, M, w->K, &a);

@@ -65,6 +65,7 @@ def lib():
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     so.xinfer_q4_mm.argtypes = [p, p, p, p, p, i, i, i, i, p, p, p]
     so.xinfer_panels.argtypes = [p, p, p, i, i, i, p, p, p]
+    so.xinfer_panels8.argtypes = [p, p, p, i, i, i, p, p, p]
     so.xinfer_q8_mm.argtypes = [p, p, p, i, p, p, i, i, i, i, p, p, p]
     so.xinfer_paged_decode.argtypes = [p, p, p, p, p, i, p, i, p, p, i, i, i, i, i, f, i, f, i, p]
     so.xinfer_add_rmsnorm.argtypes = [p, p, p, p, i, i, f, f]
@@ -104,6 +105,12 @@ def has_bf16() -> bool:
     """The block kernels were built with AVX512_BF16 dot products (--cpu-matmul bfloat16 uses them)."""
     so = lib()
     return bool(so is not None and so.xinfer_has_bf16())
+
+
+def simd_width() -> int:
+    """The block kernels' vector width in bits: 512 (the AVX-512 build), 256 (AVX2), 0 (none)."""
+    so = lib()
+    return so.xinfer_simd_width() if so is not None else 0
 
 
 def attends(head_dim: int) -> bool:

@@ -18,13 +18,11 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from ops.cpu_kernels import has_bf16, lib
+from ops import cpu_isa
+from ops.cpu_kernels import has_bf16, lib, simd_width
 from xinfer.loader.gguf_file import BLOCK_TYPES
-from xinfer import envs
 
-# Where the block kernels stop paying: float32 GEMMs catch up at ~16-24 rows, bfloat16 ones on
-# prepacked weights at 16-20 (2-core Zen 4, bench/NOTES-cpu.md).
-MAX_ROWS = envs.quant_max_rows() or 16
+MAX_ROWS = cpu_isa.block_rows()
 MATMULS = ("float32", "bfloat16", "int16")  # --cpu-matmul's settings, in the kernels' PREC_* order
 PREC = {m: i for i, m in enumerate(MATMULS)}
 
@@ -89,14 +87,18 @@ class QuantWeight:
         (one row too: one stream a thread, measured faster in bench/NOTES-cpu.md)."""
         self.prec = PREC[matmul]
         n, k = self.shape
-        if matmul != "bfloat16" or n % 16 or self.gs != 1 or not has_bf16():
+        # bfloat16 panels of 16 columns where the CPU has its dot products; float32 ones of 8 in the
+        # AVX2 build (the AVX-512 build keeps its row kernels there)
+        width = 16 if matmul == "bfloat16" and has_bf16() else 8 if matmul != "bfloat16" and simd_width() == 256 else 0
+        if not width or n % width or self.gs != 1:
             self.panels = None
             return
         kind = 0 if self.kind == "q4" else 1
         self.panels = (torch.zeros(n * k // (2 - kind), dtype=torch.uint8), torch.empty(n * k // 32),
                        torch.empty(n * k // 32))
-        lib().xinfer_panels(self.qs.data_ptr(), self.d.data_ptr(), None if self.m is None else self.m.data_ptr(),
-                            kind, n, k, *(t.data_ptr() for t in self.panels))
+        build = lib().xinfer_panels if width == 16 else lib().xinfer_panels8
+        build(self.qs.data_ptr(), self.d.data_ptr(), None if self.m is None else self.m.data_ptr(), kind, n, k,
+              *(t.data_ptr() for t in self.panels))
 
     @classmethod
     def from_gguf(cls, type_name: str, blocks: np.ndarray, shape) -> "QuantWeight":

@@ -84,6 +84,48 @@ def test_bf16_dot_products_match_rounded_float32(type_name):
         assert torch.equal(q(x[-1:]), got[-1:])
 
 
+@pytest.mark.parametrize("type_name", TYPES)
+def test_float32_panels_match_float32(type_name):
+    """--cpu-matmul float32 (and int16 past 3 rows) on the AVX2 build: the weights also in 8-column
+    panels, each rebuilt once a pass for up to 12 rows; a row's sums do not depend on its neighbours."""
+    q, ref = _blocks(type_name)
+    q.use("float32")
+    panels = cpu_kernels.simd_width() == 256 and q.gs == 1 and q.shape[0] % 8 == 0
+    assert (q.panels is not None) == panels
+    for rows in [1, 2, 5, 12, 13, 25, 64]:
+        x = torch.randn(rows, ref.shape[1])
+        got = q(x)
+        torch.testing.assert_close(got, x @ ref.T, **SUM)
+        assert torch.equal(q(x[-1:]), got[-1:])
+
+
+def _int16_reference(q, ref, x):
+    """x quantized per 32 values to 16 bits against the weights' d * q, plus the offsets m against
+    the exact sums of x."""
+    n, k = q.shape
+    m = torch.zeros(n, k) if q.m is None else q.m.repeat_interleave(32 // q.gs, 1)
+    xb = x.view(len(x), k // 32, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    xq = torch.round(xb * torch.where(amax > 0, 32767 / amax, 0)) * (amax / 32767)
+    return xq.view(len(x), k) @ (ref - m).T + x @ m.T
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_int16_activations_match_their_reference(type_name):
+    """--cpu-matmul int16, up to 3 rows: each block's integer products summed exactly, scaled once;
+    within 1e-4 of float32 (relative, over the output), and a row's result does not depend on its neighbours."""
+    q, ref = _blocks(type_name)
+    q.use("int16")
+    for rows in [1, 2, 3]:
+        x = torch.randn(rows, ref.shape[1])
+        x[0, :32] = 0  # an all-zero block: scale 0, no division by it
+        got = q(x)
+        torch.testing.assert_close(got, _int16_reference(q, ref, x), **SUM)
+        want = x @ ref.T
+        assert (got - want).norm() <= 1e-4 * want.norm()
+        assert torch.equal(q(x[-1:]), got[-1:])
+
+
 def test_fused_blocks_keep_row_order():
     parts = [_blocks(t, n=n, seed=i) for i, (t, n) in enumerate([("Q4_1", 64), ("Q4_0", 32), ("Q4_1", 32)])]
     fused = QuantWeight.cat([p for p, _ in parts])

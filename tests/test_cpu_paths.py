@@ -53,12 +53,13 @@ def test_defaults_are_the_fast_path_for_the_cpu_found(isa):
     def resolved(**kw):
         return EngineConfig(device="cpu", **kw).resolve({}).cpu_matmul
     isa(None)
-    assert resolved() == ("bfloat16" if cpu_isa.has_bf16() else "float32")
+    assert resolved() == ("bfloat16" if cpu_isa.has_bf16() else "int16" if cpu_isa.level() == "avx2" else "float32")
     assert resolved(dtype="float32") == "float32"  # asked for float32: exact
     assert resolved(cpu_matmul="bfloat16") == "bfloat16"
     if cpu_isa.level() != "none":
         isa("avx512" if cpu_isa.LEVELS.index(cpu_isa.level()) >= 2 else "avx2")
-        assert resolved() == "float32"  # no BF16 units: float32 GEMMs
+        # no BF16 units: float32 GEMMs; AVX2 alone: 16-bit integer activations in the block kernels
+        assert resolved() == ("int16" if cpu_isa.level() == "avx2" else "float32")
     with pytest.raises(ValueError, match="cpu-matmul"):
         EngineConfig(cpu_matmul="int4")
 
