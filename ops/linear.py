@@ -29,6 +29,8 @@ def pack(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     w = w.detach().to(dtype).contiguous()
     if not _ONEDNN or w.device.type != "cpu" or w.dim() != 2 or not w.numel():
         return w
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return w  # a CPU without AVX-512 (or AVX-NE-CONVERT): oneDNN has no bfloat16 layout for it
     return torch.ops.mkldnn._reorder_linear_weight(w, 64)
 
 
