@@ -3,9 +3,10 @@ import os
 # Triton kernels run on the CPU through the interpreter; it must be chosen before triton loads.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# The suite checks exactness against transformers, so it runs below the BF16 level and the defaults
-# keep float32 matmuls; tests/test_cpu_paths.py judges the bfloat16 path against them by its budget.
+# The suite checks exactness against transformers, so its defaults keep float32 matmuls on every CPU
+# (and it runs below the BF16 level); tests/test_cpu_paths.py judges the fast paths by their budgets.
 os.environ.setdefault("XINFER_CPU_ISA", "avx512_vnni")
+os.environ.setdefault("XINFER_CPU_MATMUL", "float32")
 
 import signal  # noqa: E402
 

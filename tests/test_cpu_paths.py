@@ -49,9 +49,15 @@ def test_xinfer_cpu_isa_forces_a_lower_level_only(isa):
         isa("sse9")
 
 
-def test_defaults_are_the_fast_path_for_the_cpu_found(isa):
+def test_defaults_are_the_fast_path_for_the_cpu_found(isa, monkeypatch):
     def resolved(**kw):
         return EngineConfig(device="cpu", **kw).resolve({}).cpu_matmul
+    monkeypatch.setenv("XINFER_CPU_MATMUL", "bfloat16")
+    assert resolved() == "bfloat16" and resolved(dtype="float32") == "float32"
+    monkeypatch.setenv("XINFER_CPU_MATMUL", "int8")
+    with pytest.raises(ValueError, match="XINFER_CPU_MATMUL"):
+        resolved()
+    monkeypatch.delenv("XINFER_CPU_MATMUL")
     isa(None)
     assert resolved() == ("bfloat16" if cpu_isa.has_bf16() else "int16" if cpu_isa.level() == "avx2" else "float32")
     assert resolved(dtype="float32") == "float32"  # asked for float32: exact

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from xinfer import envs
+
 QUANTIZATIONS = ("auto", "none", "gguf")
 DTYPES = ("float32", "bfloat16", "float16")
 POOLINGS = ("last", "mean")
@@ -222,7 +224,9 @@ class EngineConfig:
         if self.cpu_matmul == "auto":
             from ops import cpu_isa
             cpu = self.device.startswith("cpu") and self.dtype == "float32"
-            self.cpu_matmul = cpu_isa.fast_matmul() if cpu and fast else "float32"
+            self.cpu_matmul = (envs.cpu_matmul() or cpu_isa.fast_matmul()) if cpu and fast else "float32"
+            if self.cpu_matmul not in ("float32", "bfloat16", "int16"):
+                raise ValueError(f"XINFER_CPU_MATMUL must be float32, bfloat16 or int16, got {self.cpu_matmul!r}")
         return self.resolve_context(model_config)
 
     def resolve_context(self, model_config: dict) -> "EngineConfig":

@@ -55,6 +55,12 @@ def cpu_march() -> str | None:
     return os.environ.get("XINFER_CPU_MARCH") or None
 
 
+def cpu_matmul() -> str | None:
+    """XINFER_CPU_MATMUL: what --cpu-matmul auto means (default: the CPU's fast path, ops/cpu_isa.py
+    fast_matmul); the test suite sets float32 so its reference checks stay exact on every CPU."""
+    return os.environ.get("XINFER_CPU_MATMUL") or None
+
+
 def cpu_isa() -> str | None:
     """XINFER_CPU_ISA: a lower vector-unit level to run at (ops/cpu_isa.py), to test its paths."""
     return os.environ.get("XINFER_CPU_ISA") or None
