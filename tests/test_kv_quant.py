@@ -382,27 +382,42 @@ def test_next_token_distributions_within_budget(text_ids):
         assert r["mean_kld"] <= kld and r["same_top"] >= same, (name, r)
 
 
+def _same_up_to_a_near_tie(want, got, gap):
+    """got's tokens are want's, or part from them where want's top two were within `gap` nats of each other."""
+    for w, g in zip(want, got):
+        i = next((i for i, (a, b) in enumerate(zip(w.token_ids, g)) if a != b), None)
+        if i is None:
+            assert len(g) == len(w.token_ids), (w.token_ids, g)
+            continue
+        (_, top1), (tok2, top2) = w.logprobs[i][1][:2]
+        assert g[i] == tok2 and top1 - top2 < gap, (i, w.logprobs[i], g)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["fp8", "turbo4"])
 def test_greedy_unchanged_by_prefix_cache_and_preemption(smollm_path, name):
     """Sequences preempted and recomputed, and blocks reused from the prefix cache, give the same greedy
-    tokens as a roomy cache without reuse. (A recompute writes K/V from prefill's arithmetic, not decode's:
-    float32 values a rounding apart, which land in another fp8 step now and then; these runs agree.)"""
+    tokens as a roomy cache without reuse, up to a near-tie. (A recompute, or a prompt prefilled in another
+    batch, writes K/V from other arithmetic: float32 values a rounding apart, which land in another
+    quantization step now and then: fp8 moves logits by ~0.01 (on Zen 3 the third prompt's first token is a
+    tie 0.014 nats apart when the three prompts are prefilled together), turbo4's 4-bit steps by ~0.1-0.3
+    (a 0.29 tie flipped at token 23 there).)"""
+    gap = {"fp8": 0.1, "turbo4": 0.4}[name]
     chats = [[{"role": "user", "content": q}] for q in ("What is the capital of France?",
                                                         "Write a short poem about the sea.",
                                                         "List three prime numbers.")]
-    greedy = SamplingParams(temperature=0, max_tokens=40)
+    greedy = SamplingParams(temperature=0, max_tokens=40, logprobs=2)
     e = Engine(EngineConfig(model=smollm_path, kv_cache_gb=0.05, kvcache_dtype=name, enable_prefix_cache=False),
                log_level="warning")
     prompts = [e.tokenizer.encode_chat(c) for c in chats]
-    want = [o.token_ids for o in e.generate(prompts, greedy)]
+    want = e.generate(prompts, greedy)
     e.close()
     e = Engine(EngineConfig(model=smollm_path, num_kv_blocks=6, kvcache_dtype=name), log_level="warning")
-    assert [o.token_ids for o in e.generate(prompts, greedy)] == want
+    _same_up_to_a_near_tie(want, [o.token_ids for o in e.generate(prompts, greedy)], gap)
     assert e.scheduler.num_preemptions > 0
     again = e.generate(prompts, greedy)
     assert all(o.num_cached_tokens >= 16 for o in again)
-    assert [o.token_ids for o in again] == want
+    _same_up_to_a_near_tie(want, [o.token_ids for o in again], gap)
     e.blocks.check_integrity()
     e.close()
 
