@@ -25,7 +25,7 @@ ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}  # the gate activations the C step co
 
 class _Linear(ctypes.Structure):
     _fields_ = [("qs", _P), ("d", _P), ("m", _P), ("bias", _P), ("kind", _I), ("N", _I), ("K", _I), ("gs", _I),
-                ("prec", _I), ("pq", _P), ("pd", _P), ("pm", _P)]
+                ("prec", _I), ("pq", _P), ("pd", _P), ("pm", _P), ("pi", _P)]
 
 
 class _Layer(ctypes.Structure):
@@ -49,7 +49,7 @@ def _linear(w: QuantWeight, bias: torch.Tensor | None) -> _Linear:
     n, k = w.shape
     pq, pd, pm = w.panels or (None, None, None)
     return _Linear(_ptr(w.qs), _ptr(w.d), _ptr(w.m), _ptr(bias), 0 if w.kind == "q4" else 1, n, k, w.gs,
-                   w.prec, _ptr(pq), _ptr(pd), _ptr(pm))
+                   w.prec, _ptr(pq), _ptr(pd), _ptr(pm), _ptr(w.wide))
 
 
 class CpuDecoder:

@@ -283,9 +283,9 @@ typedef struct {
     float *d, *s1, *s2;  // [M, K / 32]: scale and sum of x a block; s2 [M, K / 16]: sums of its halves
 } xq_act;
 
-static void quant_act(const float *x, int M, int K, xq_act *a) {
-    const int nb = K / 32;
-    for (size_t i = 0; i < (size_t)M * nb; i++) {
+// Blocks i0 .. i1 - 1 of x (row-major, 32 values a block).
+static void quant_blocks(const float *x, size_t i0, size_t i1, xq_act *a) {
+    for (size_t i = i0; i < i1; i++) {
         const float *xb = x + i * 32;
         __m256 v[4], mx = _mm256_setzero_ps();
         for (int j = 0; j < 4; j++) {
@@ -306,6 +306,8 @@ static void quant_act(const float *x, int M, int K, xq_act *a) {
         a->s2[2 * i] = h0, a->s2[2 * i + 1] = h1, a->s1[i] = h0 + h1;
     }
 }
+
+static void quant_act(const float *x, int M, int K, xq_act *a) { quant_blocks(x, 0, (size_t)M * (K / 32), a); }
 
 static xq_act act_alloc(int M, int K) {
     const size_t nb = (size_t)M * (K / 32);
@@ -412,9 +414,115 @@ static const panel8_fn PANEL8[PANEL8_ROWS][2] = {P8(1), P8(2), P8(3), P8(4), P8(
                                                  P8(7), P8(8), P8(9), P8(10), P8(11), P8(12)};
 #undef P8
 
+// --cpu-matmul int16 past INT16_ROWS rows (the AVX2 build): the weights widened once at load to 16 bits
+// in 8-column panels (xinfer_panels_i16): per 8 columns, per block, per input pair (k, k + 1), 16
+// values, column c's pair in lanes 2c and 2c + 1, which one vpmaddwd multiplies by a broadcast pair of
+// activations (16 products, 8 sums: twice an FMA's). Two panels (16 columns) by up to I16P_ROWS rows a
+// pass, the int32 sums in named registers; once a block they are scaled by d_w * d_x into y (the pass's
+// tile stays in L1) and the offsets m add m * (the block's exact float sum of x). No weight is rebuilt
+// per pass: batches of any size run here, prefill too.
+#define I16P_ROWS 4
+#define I_EACH(OP) OP(0) OP(1) OP(2) OP(3)
+#define I_ZERO(r) __m256i a##r##0 = _mm256_setzero_si256(), a##r##1 = _mm256_setzero_si256();
+#define I_MADD(r)                                                                                      \
+    if (r < rows) {                                                                                       \
+        const __m256i xv = _mm256_set1_epi32(xp[(size_t)r * (K / 2) + j]);                           \
+        a##r##0 = _mm256_add_epi32(a##r##0, _mm256_madd_epi16(w0, xv));                               \
+        if (cols == 2) a##r##1 = _mm256_add_epi32(a##r##1, _mm256_madd_epi16(w1, xv));                   \
+    }
+#define I_SCALE1(r, g)                                                                                 \
+    {                                                                                                  \
+        float *yr = y + (size_t)r * ldy + 8 * g;                                                       \
+        const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a##r##g), _mm256_mul_ps(dd##g, dx),         \
+                                         _mm256_loadu_ps(yr));                                         \
+        _mm256_storeu_ps(yr, _mm256_fmadd_ps(mm##g, sx, t));                                            \
+    }
+#define I_SCALE(r)                                                                                     \
+    if (r < rows) {                                                                                       \
+        const size_t i = (size_t)(m0 + r) * nb + b;                                                   \
+        const __m256 dx = _mm256_set1_ps(a->d[i]), sx = _mm256_set1_ps(a->s1[i]);                     \
+        I_SCALE1(r, 0)                                                                                 \
+        if (cols == 2) I_SCALE1(r, 1)                                                                     \
+    }
+#define I16P_DOT(G, R)                                                                                  \
+    static void i16p_##G##_##R(const int16_t *p, const float *pd, const float *pm, const xq_act *a, int m0, \
+                               float *y, int K, int ldy, const float *bias) {                          \
+        const int nb = K / 32, rows = R, cols = G;                                                      \
+        for (int r = 0; r < R; r++)                                                                     \
+            for (int c = 0; c < 8 * G; c++) y[(size_t)r * ldy + c] = bias ? bias[c] : 0.f;             \
+        for (int b = 0; b < nb; b++) {                                                                  \
+            const int16_t *q0 = p + (size_t)b * 256, *q1 = q0 + (size_t)nb * 256;                       \
+            const int32_t *xp = (const int32_t *)(a->q + (size_t)m0 * K + b * 32);                      \
+            I_EACH(I_ZERO)                                                                              \
+            for (int j = 0; j < 16; j++) {                                                              \
+                const __m256i w0 = _mm256_loadu_si256((const __m256i *)(q0 + j * 16));                   \
+                const __m256i w1 = G == 2 ? _mm256_loadu_si256((const __m256i *)(q1 + j * 16)) : w0;     \
+                I_EACH(I_MADD)                                                                          \
+            }                                                                                           \
+            const __m256 dd0 = _mm256_loadu_ps(pd + b * 8), mm0 = _mm256_loadu_ps(pm + b * 8);             \
+            const __m256 dd1 = G == 2 ? _mm256_loadu_ps(pd + (nb + b) * 8) : dd0;                       \
+            const __m256 mm1 = G == 2 ? _mm256_loadu_ps(pm + (nb + b) * 8) : mm0;                       \
+            I_EACH(I_SCALE)                                                                             \
+        }                                                                                               \
+    }
+#define I16P_GS(R) I16P_DOT(1, R) I16P_DOT(2, R)
+I16P_GS(1) I16P_GS(2) I16P_GS(3) I16P_GS(4)
+typedef void (*i16p_fn)(const int16_t *, const float *, const float *, const xq_act *, int, float *, int, int,
+                        const float *);
+static const i16p_fn I16P[I16P_ROWS][2] = {{i16p_1_1, i16p_2_1}, {i16p_1_2, i16p_2_2}, {i16p_1_3, i16p_2_3},
+                                           {i16p_1_4, i16p_2_4}};
+
+// The weights [N, K] (N a multiple of 8) widened to 16 bits in the panels i16p reads: q4 (kind 0) or q8
+// (1) in the row layout; out N * K values.
+void xinfer_panels_i16(const uint8_t *qs, int kind, int N, int K, int16_t *out) {
+    const int nb = K / 32;
+    for (int n = 0; n < N; n++)
+        for (int b = 0; b < nb; b++) {
+            const size_t i = (size_t)n * nb + b;
+            int16_t *dst = out + ((size_t)(n / 8) * nb + b) * 256 + (n % 8) * 2;
+            for (int k = 0; k < 32; k++)
+                dst[(k / 2) * 16 + k % 2] = kind == 0 ? (k < 16 ? qs[i * 16 + k] & 0x0F : qs[i * 16 + k - 16] >> 4)
+                                                      : ((const int8_t *)qs)[i * 32 + k];
+        }
+}
+
+// y [M, N] = x w^T (+ bias) through the int16 panels, by every thread of the enclosing region: the
+// activations quantized once, shared (each thread a share of the blocks), then 16-column units.
+typedef struct kv_pf kv_pf;
+static void pf_step(kv_pf *p);
+static void mm_i16p(const int16_t *p, const float *pd, const float *pm, const float *bias, int N, int K,
+                    const float *x, float *y, int M, kv_pf *pf) {
+    const int nb = K / 32, units = (N / 8 + 1) / 2;
+    xq_act a;
+#pragma omp single copyprivate(a)
+    a = act_alloc(M, K);
+    const size_t blocks = (size_t)M * nb;
+    const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+    quant_blocks(x, blocks * t / nt, blocks * (t + 1) / nt, &a);
+#pragma omp barrier
+    // rows in tiles of ~256 KB of activations, which stay in L2 while each unit's weights pass by
+    const int tile = K < 131072 / I16P_ROWS ? 131072 / K / I16P_ROWS * I16P_ROWS : I16P_ROWS;
+    for (int t0 = 0; t0 < M; t0 += tile) {
+        const int t1 = t0 + tile < M ? t0 + tile : M;
+#pragma omp for schedule(static) nowait
+        for (int u = 0; u < units; u++) {
+            const int g = 2 * u, G = g + 1 < N / 8 ? 2 : 1;
+            for (int m0 = t0; m0 < t1; m0 += I16P_ROWS)
+                I16P[(t1 - m0 < I16P_ROWS ? t1 - m0 : I16P_ROWS) - 1][G - 1](
+                    p + (size_t)g * nb * 256, pd + (size_t)g * nb * 8, pm + (size_t)g * nb * 8, &a, m0,
+                    y + (size_t)m0 * N + g * 8, K, N, bias ? bias + g * 8 : NULL);
+            if (pf)
+                for (int i = 0; i < 8 * G; i++) pf_step(pf);  // as often as the row loop of mm_team would
+        }
+    }
+#pragma omp barrier
+#pragma omp single
+    free(a.q), free(a.d);
+}
+
 // Weights [N, K] (N a multiple of 8) as 8-column panels (panel8_dot), from the row layout: q4 (kind
-// 0) or q8 with one scale a block (1); mn NULL: no offsets. pq N * K / 2 (q4) or N * K bytes; pd and
-// pm N * K / 32 floats.
+// 0) or q8 with one scale a block (1); mn NULL: no offsets. pq N * K / 2 (q4) or N * K bytes (NULL:
+// the scales alone, for the int16 panels); pd and pm N * K / 32 floats.
 void xinfer_panels8(const uint8_t *qs, const float *d, const float *mn, int kind, int N, int K, uint8_t *pq, float *pd,
                     float *pm) {
     const int nb = K / 32;
@@ -423,7 +531,7 @@ void xinfer_panels8(const uint8_t *qs, const float *d, const float *mn, int kind
             const size_t blk = (size_t)(n / 8) * nb + b, i = (size_t)n * nb + b;
             const int c = n % 8;
             pd[blk * 8 + c] = d[i], pm[blk * 8 + c] = mn ? mn[i] : 0.f;
-            for (int k = 0; k < 32; k++) {
+            for (int k = 0; pq && k < 32; k++) {
                 if (kind == 0) {
                     const uint8_t *src = qs + i * 16;  // weights j and 16 + j in byte j
                     const uint8_t v = k < 16 ? src[k] & 0x0F : src[k - 16] >> 4;
@@ -448,6 +556,7 @@ typedef struct {
     int prec;                   // PREC_*: bfloat16 where HAS_BF16 (else float32), int16 activations
     const uint8_t *pq;          // with bf16: the same weights in panels (panel_dot), or NULL
     const float *pd, *pm;
+    const int16_t *pi;          // int16 on AVX2: the weights widened in panels (mm_i16p), or NULL
 } xq_linear;
 
 #if HAS_BF16
@@ -459,8 +568,6 @@ static void rows_bf16(const xq_linear *w, const uint16_t *xb, float *y, int rows
 #endif
 
 // Lines fetched toward L2 a few at a time while a matmul computes (struct kv_pf below); NULL: none.
-typedef struct kv_pf kv_pf;
-static void pf_step(kv_pf *p);
 
 // y [M, N] = x [M, K] w^T (+ bias), run by every thread of the enclosing parallel region.
 static void mm_team(const xq_linear *w, const float *x, float *y, int M, kv_pf *pf) {
@@ -469,6 +576,10 @@ static void mm_team(const xq_linear *w, const float *x, float *y, int M, kv_pf *
     // later passes find it in L1) however many rows the batch has. Each row's sums are the same
     // whatever rows share its pass.
     const int i16 = w->prec == PREC_INT16 && M <= INT16_ROWS;
+    if (w->prec == PREC_INT16 && w->pi && !i16) {
+        mm_i16p(w->pi, w->pd, w->pm, w->bias, w->N, w->K, x, y, M, pf);
+        return;
+    }
 #if !HAS_BF16
     if (w->pq && !i16) {  // 8-column panels (the AVX2 build's float32 path)
         const int nb = w->K / 32;
@@ -552,8 +663,8 @@ static void mm_team(const xq_linear *w, const float *x, float *y, int M, kv_pf *
 
 // x [M, K] and y [M, N] row-major float32, K a multiple of 32. pq, pd, pm: the panels, or NULL.
 void xinfer_q4_mm(const uint8_t *qs, const float *d, const float *mn, const float *x, float *y, int M, int N, int K,
-                  int prec, const uint8_t *pq, const float *pd, const float *pm) {
-    const xq_linear w = {qs, d, mn, NULL, 0, N, K, 1, prec, pq, pd, pm};
+                  int prec, const uint8_t *pq, const float *pd, const float *pm, const int16_t *pi) {
+    const xq_linear w = {qs, d, mn, NULL, 0, N, K, 1, prec, pq, pd, pm, pi};
 #pragma omp parallel
     mm_team(&w, x, y, M, NULL);
 }
@@ -584,8 +695,8 @@ void xinfer_panels(const uint8_t *qs, const float *d, const float *mn, int kind,
 }
 
 void xinfer_q8_mm(const int8_t *qs, const float *d, const float *mn, int gs, const float *x, float *y, int M, int N,
-                  int K, int prec, const uint8_t *pq, const float *pd, const float *pm) {
-    const xq_linear w = {qs, d, mn, NULL, 1, N, K, gs, prec, pq, pd, pm};
+                  int K, int prec, const uint8_t *pq, const float *pd, const float *pm, const int16_t *pi) {
+    const xq_linear w = {qs, d, mn, NULL, 1, N, K, gs, prec, pq, pd, pm, pi};
 #pragma omp parallel
     mm_team(&w, x, y, M, NULL);
 }

@@ -63,10 +63,11 @@ def lib():
     if so is None:
         return None
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    so.xinfer_q4_mm.argtypes = [p, p, p, p, p, i, i, i, i, p, p, p]
+    so.xinfer_q4_mm.argtypes = [p, p, p, p, p, i, i, i, i, p, p, p, p]
     so.xinfer_panels.argtypes = [p, p, p, i, i, i, p, p, p]
     so.xinfer_panels8.argtypes = [p, p, p, i, i, i, p, p, p]
-    so.xinfer_q8_mm.argtypes = [p, p, p, i, p, p, i, i, i, i, p, p, p]
+    so.xinfer_q8_mm.argtypes = [p, p, p, i, p, p, i, i, i, i, p, p, p, p]
+    so.xinfer_panels_i16.argtypes = [p, i, i, i, p]
     so.xinfer_paged_decode.argtypes = [p, p, p, p, p, i, p, i, p, p, i, i, i, i, i, f, i, f, i, p]
     so.xinfer_add_rmsnorm.argtypes = [p, p, p, p, i, i, f, f]
     so.xinfer_rope.argtypes = [p, p, p, p, p, i, i, i, i, i, ctypes.c_int64, ctypes.c_int64]

@@ -79,6 +79,7 @@ class QuantWeight:
         self.kind, self.qs, self.d, self.m, self.shape, self.gs = kind, qs, d, m, tuple(shape), gs
         self.prec = 0  # the kernels' arithmetic: PREC's value for --cpu-matmul (ops/cpu_kernels.c)
         self.panels = None  # bfloat16: (bytes, d, m) in 16-column panels (ops/cpu_kernels.c panel_dot)
+        self.wide = None  # int16 on AVX2: the integers widened to 16 bits in 8-column panels (mm_i16p)
 
     def use(self, matmul: str) -> None:
         """--cpu-matmul: float32 (exact weights, float32 sums), bfloat16 (rounded, where the CPU has
@@ -86,6 +87,7 @@ class QuantWeight:
         q8 ones with one scale a block also get their panels, which every batch up to MAX_ROWS reads
         (one row too: one stream a thread, measured faster in bench/NOTES-cpu.md)."""
         self.prec = PREC[matmul]
+        self.wide = None
         n, k = self.shape
         # bfloat16 panels of 16 columns where the CPU has its dot products; float32 ones of 8 in the
         # AVX2 build (the AVX-512 build keeps its row kernels there)
@@ -94,11 +96,17 @@ class QuantWeight:
             self.panels = None
             return
         kind = 0 if self.kind == "q4" else 1
-        self.panels = (torch.zeros(n * k // (2 - kind), dtype=torch.uint8), torch.empty(n * k // 32),
-                       torch.empty(n * k // 32))
+        # int16 in the AVX2 build: past INT16_ROWS every batch reads the widened integers, and the 8-column
+        # panels only lend their scales
+        wide = matmul == "int16" and width == 8
+        self.panels = (None if wide else torch.zeros(n * k // (2 - kind), dtype=torch.uint8),
+                       torch.empty(n * k // 32), torch.empty(n * k // 32))
         build = lib().xinfer_panels if width == 16 else lib().xinfer_panels8
         build(self.qs.data_ptr(), self.d.data_ptr(), None if self.m is None else self.m.data_ptr(), kind, n, k,
-              *(t.data_ptr() for t in self.panels))
+              *(None if t is None else t.data_ptr() for t in self.panels))
+        self.wide = torch.empty(n * k, dtype=torch.int16) if wide else None
+        if wide:
+            lib().xinfer_panels_i16(self.qs.data_ptr(), kind, n, k, self.wide.data_ptr())
 
     @classmethod
     def from_gguf(cls, type_name: str, blocks: np.ndarray, shape) -> "QuantWeight":
@@ -212,7 +220,7 @@ class QuantWeight:
         x = x.contiguous()
         rows, (n, k) = x.shape[0], self.shape
         y = torch.empty(rows, n, dtype=torch.float32)
-        panels = [None if p is None else p.data_ptr() for p in self.panels or (None,) * 3]
+        panels = [None if p is None else p.data_ptr() for p in (*(self.panels or (None,) * 3), self.wide)]
         if self.kind == "q4":
             lib().xinfer_q4_mm(self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), x.data_ptr(), y.data_ptr(),
                                rows, n, k, self.prec, *panels)
