@@ -493,9 +493,21 @@ static void pf_step(kv_pf *p);
 static void mm_i16p(const int16_t *p, const float *pd, const float *pm, const float *bias, int N, int K,
                     const float *x, float *y, int M, kv_pf *pf) {
     const int nb = K / 32, units = (N / 8 + 1) / 2;
+    // one buffer kept across calls (a worker runs one matmul at a time): a prefill's few MB, freshly
+    // mapped on every call, cost page faults on every call
+    static void *buf;
+    static size_t cap;
     xq_act a;
 #pragma omp single copyprivate(a)
-    a = act_alloc(M, K);
+    {
+        const size_t need = sizeof(int16_t) * (size_t)M * K + sizeof(float) * (size_t)M * nb * 4;
+        if (need > cap) {
+            free(buf);
+            buf = malloc(need), cap = need;
+        }
+        a.q = buf, a.d = (float *)((int16_t *)buf + (size_t)M * K);
+        a.s1 = a.d + (size_t)M * nb, a.s2 = a.d + 2 * (size_t)M * nb;
+    }
     const size_t blocks = (size_t)M * nb;
     const int nt = omp_get_num_threads(), t = omp_get_thread_num();
     quant_blocks(x, blocks * t / nt, blocks * (t + 1) / nt, &a);
@@ -516,8 +528,6 @@ static void mm_i16p(const int16_t *p, const float *pd, const float *pm, const fl
         }
     }
 #pragma omp barrier
-#pragma omp single
-    free(a.q), free(a.d);
 }
 
 // Weights [N, K] (N a multiple of 8) as 8-column panels (panel8_dot), from the row layout: q4 (kind
