@@ -309,6 +309,14 @@ static void quant_blocks(const float *x, size_t i0, size_t i1, xq_act *a) {
 
 static void quant_act(const float *x, int M, int K, xq_act *a) { quant_blocks(x, 0, (size_t)M * (K / 32), a); }
 
+// The activations' buffers laid out in `buf` (int16 values, then d, s1, s2).
+static xq_act act_view(void *buf, int M, int K) {
+    const size_t nb = (size_t)M * (K / 32);
+    xq_act a = {buf, (float *)((int16_t *)buf + (size_t)M * K), NULL, NULL};
+    a.s1 = a.d + nb, a.s2 = a.d + 2 * nb;
+    return a;
+}
+
 static xq_act act_alloc(int M, int K) {
     const size_t nb = (size_t)M * (K / 32);
     xq_act a = {malloc(sizeof(int16_t) * (size_t)M * K), malloc(sizeof(float) * nb * 4), NULL, NULL};
@@ -422,6 +430,7 @@ static const panel8_fn PANEL8[PANEL8_ROWS][2] = {P8(1), P8(2), P8(3), P8(4), P8(
 // tile stays in L1) and the offsets m add m * (the block's exact float sum of x). No weight is rebuilt
 // per pass: batches of any size run here, prefill too.
 #define I16P_ROWS 4
+#define I16P_OWN_ROWS 64
 #define I_EACH(OP) OP(0) OP(1) OP(2) OP(3)
 #define I_ZERO(r) __m256i a##r##0 = _mm256_setzero_si256(), a##r##1 = _mm256_setzero_si256();
 #define I_MADD(r)                                                                                      \
@@ -493,25 +502,31 @@ static void pf_step(kv_pf *p);
 static void mm_i16p(const int16_t *p, const float *pd, const float *pm, const float *bias, int N, int K,
                     const float *x, float *y, int M, kv_pf *pf) {
     const int nb = K / 32, units = (N / 8 + 1) / 2;
-    // one buffer kept across calls (a worker runs one matmul at a time): a prefill's few MB, freshly
-    // mapped on every call, cost page faults on every call
-    static void *buf;
-    static size_t cap;
+    // Up to I16P_OWN_ROWS rows each thread quantizes them all itself (no barrier: a thread that waits
+    // at one spins while the server's other processes hold its core); past that they share the work.
+    // The buffers are kept across calls (a prefill's few MB, mapped afresh, page-faulted every call).
+    static void *shared_buf;
+    static size_t shared_cap;
+    static __thread void *own_buf;
+    static __thread size_t own_cap;
+    const int own = M <= I16P_OWN_ROWS;
+    const size_t need = sizeof(int16_t) * (size_t)M * K + sizeof(float) * (size_t)M * nb * 4;
     xq_act a;
+    if (own) {
+        if (need > own_cap) free(own_buf), own_buf = malloc(need), own_cap = need;
+        a = act_view(own_buf, M, K);
+        quant_act(x, M, K, &a);
+    } else {
 #pragma omp single copyprivate(a)
-    {
-        const size_t need = sizeof(int16_t) * (size_t)M * K + sizeof(float) * (size_t)M * nb * 4;
-        if (need > cap) {
-            free(buf);
-            buf = malloc(need), cap = need;
+        {
+            if (need > shared_cap) free(shared_buf), shared_buf = malloc(need), shared_cap = need;
+            a = act_view(shared_buf, M, K);
         }
-        a.q = buf, a.d = (float *)((int16_t *)buf + (size_t)M * K);
-        a.s1 = a.d + (size_t)M * nb, a.s2 = a.d + 2 * (size_t)M * nb;
-    }
-    const size_t blocks = (size_t)M * nb;
-    const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-    quant_blocks(x, blocks * t / nt, blocks * (t + 1) / nt, &a);
+        const size_t blocks = (size_t)M * nb;
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        quant_blocks(x, blocks * t / nt, blocks * (t + 1) / nt, &a);
 #pragma omp barrier
+    }
     // rows in tiles of ~256 KB of activations, which stay in L2 while each unit's weights pass by
     const int tile = K < 131072 / I16P_ROWS ? 131072 / K / I16P_ROWS * I16P_ROWS : I16P_ROWS;
     for (int t0 = 0; t0 < M; t0 += tile) {
