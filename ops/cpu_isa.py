@@ -7,9 +7,8 @@ has more; a level the CPU lacks is never taken (logged). What each level serves:
 - decode, up to XINFER_QUANT_MAX_ROWS rows with GGUF blocks: the block kernels (ops/cpu_kernels.c,
   built for the level's -march), which read a fraction of the weight bytes;
 - batched decode and prefill (more rows, or no blocks): bfloat16 GEMMs through oneDNN where the CPU
-  has BF16 dot products (avx512_bf16; amx: oneDNN picks the tiles itself), else float32 GEMMs;
-  except on avx2, where int16 (the default) takes every batch of q4 and one-scale q8 weights
-  through the widened integer panels, which beat oneDNN's float32 GEMM there (bench/NOTES-cpu.md).
+  has BF16 dot products (avx512_bf16; amx: oneDNN picks the tiles itself), else float32 GEMMs (on
+  avx2 the int16 panels beat them in a loop, 1.1-1.27x, but served prefill came out slower: NOTES-cpu).
 """
 from __future__ import annotations
 
@@ -85,11 +84,9 @@ def describe(matmul: str, blocks: bool, bf16_dots: bool = False) -> str:
     """The one start-up line: the level and the path that serves each kind of step."""
     big = "bfloat16 GEMMs (oneDNN" + (", AMX tiles)" if level() == "amx" else ")") if matmul == "bfloat16" \
         else "float32 GEMMs (oneDNN)"
-    if blocks and matmul == "int16" and level() == "avx2":
-        return ("cpu avx2: every batch, prefill too: GGUF block kernels with 16-bit integer activations (the blocks' "
-                "own integers up to 3 rows, then the integers widened to 16 bits in panels); weights without "
-                "blocks or with two scales a block (Q6_K, Q2_K) past " f"{block_rows()} rows: {big}")
     dots = " (bfloat16 dot products, 16-column panels)" if matmul == "bfloat16" and bf16_dots else \
-        " (16-bit integer activations up to 3 rows, then float32 rows)" if matmul == "int16" else ""
+        (" (16-bit integer activations: the blocks' own integers up to 3 rows, then the integers widened to 16"
+         " bits in panels)" if level() == "avx2" else " (16-bit integer activations up to 3 rows)") if matmul == "int16" \
+        else ""
     small = f"GGUF block kernels{dots} up to {block_rows()} rows, then " if blocks else ""
     return f"cpu {level()}: decode {small}{big}; batched decode and prefill: {big}"

@@ -79,7 +79,7 @@ class QuantWeight:
         self.kind, self.qs, self.d, self.m, self.shape, self.gs = kind, qs, d, m, tuple(shape), gs
         self.prec = 0  # the kernels' arithmetic: PREC's value for --cpu-matmul (ops/cpu_kernels.c)
         self.panels = None  # bfloat16: (bytes, d, m) in 16-column panels (ops/cpu_kernels.c panel_dot)
-        self.wide = None  # int16 on AVX2: the integers widened to 16 bits in 8-column panels (mm_i16p)
+        self.wide = None  # int16 on AVX2: the integers widened to 16 bits in 8-column panels (mm_i16p), 2 B a weight
 
     def use(self, matmul: str) -> None:
         """--cpu-matmul: float32 (exact weights, float32 sums), bfloat16 (rounded, where the CPU has
@@ -96,8 +96,8 @@ class QuantWeight:
             self.panels = None
             return
         kind = 0 if self.kind == "q4" else 1
-        # int16 in the AVX2 build: past INT16_ROWS every batch reads the widened integers, and the 8-column
-        # panels only lend their scales
+        # int16 in the AVX2 build: past INT16_ROWS (up to MAX_ROWS) the batches read the widened integers,
+        # and the 8-column panels only lend their scales
         wide = matmul == "int16" and width == 8
         self.panels = (None if wide else torch.zeros(n * k // (2 - kind), dtype=torch.uint8),
                        torch.empty(n * k // 32), torch.empty(n * k // 32))

@@ -112,13 +112,13 @@ def test_bfloat16_path_within_the_budget(text_ids):
 def test_int16_path_within_the_budget(text_ids):
     """The default path on an AVX2 CPU: 16-bit activations in the block kernels, up to 3 rows against the
     blocks' own integers (the text scored 3 tokens a step), past that (AVX2) against the widened panels
-    (100 a step); same budget as above, which it meets by far (bench/NOTES-cpu.md: mean KLD 0.00000
+    (50 a step, up to MAX_ROWS); same budget as above, which it meets by far (bench/NOTES-cpu.md: mean KLD 0.00000
     over 2,047 tokens)."""
     ids = text_ids[:300]
     ref, _ = _log_probs(ids, dtype="float32", quantization="none", cpu_matmul="float32")
     e = Engine(EngineConfig(kv_cache_gb=0.1, cpu_matmul="int16"), log_level="warning")
     try:
-        for step in (3, 100):
+        for step in (3, 50):
             r = compare(ref, e.runner.log_probs(ids, step), ids)
             assert r["mean_kld"] <= 0.002 and r["same_top"] >= 0.97 and abs(r["ppl_ratio"] - 1) <= 0.01, (step, r)
     finally:

@@ -290,20 +290,17 @@ def attach_fast(model: nn.Module, matmul: str) -> int:
     bfloat16: a bfloat16 copy for each Linear and the LM head. float32 and int16 (whose GEMMs are
     float32): the Linears that have blocks. A Linear with blocks no longer reads its plain weight
     (small batches read the blocks, the rest the packed one): it is freed, so the model takes no
-    more memory than before (less in bfloat16). int16 on AVX2 packs none: the blocks' widened panels
-    take every batch (ops/quant.py). Returns how many weights were packed."""
+    more memory than before (less in bfloat16). Returns how many weights were packed."""
     bf16 = matmul == "bfloat16"
     dtype = torch.bfloat16 if bf16 else torch.float32
     n = 0
     for mod in model.modules():
         if isinstance(mod, Linear) and (bf16 or mod.blocks is not None):
-            if mod.blocks is not None:
-                mod.blocks.use(matmul)
-            if mod.blocks is None or mod.blocks.wide is None:  # the widened blocks take every batch
-                mod.fast = pack(mod.weight.data, dtype)
-                n += 1
+            mod.fast = pack(mod.weight.data, dtype)
             if mod.blocks is not None:
                 mod.weight.data = torch.empty(0, dtype=mod.weight.dtype)
+                mod.blocks.use(matmul)
+            n += 1
     if getattr(model, "head_blocks", None) is not None:
         model.head_blocks.use(matmul)
     # float32: the head stays plain (a tied one is the embedding table too: packing would copy it);
