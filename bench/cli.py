@@ -144,6 +144,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     o.add_argument("--result-name", default=None)
     o.add_argument("--no-plots", dest="plots", action="store_false")
     o.add_argument("--quiet", action="store_true")
+    o.add_argument("--profile", action="store_true",
+                   help="after the table, where the time went: the host's functions (cProfile) and, on CUDA "
+                        "in-process, a decode step's GPU time and kernels (bench/probe.py)")
     o.set_defaults(func=cmd_offline.run)
     return parser, subs
 

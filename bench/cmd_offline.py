@@ -44,13 +44,16 @@ def run(args) -> int:
     recs: dict[int, stats.RequestRecord] = {}
     progress = load.Progress(len(prompts), None, "offline ", enabled=not args.quiet)
     t0 = time.perf_counter()
-    order = []
-    for d in engine.stream(prompts, params):
-        now = time.perf_counter() - t0
+    if args.profile:
+        from bench import probe
+        deltas, host = probe.host_profile(lambda: list(engine.stream(prompts, params)))
+        stream = ((time.perf_counter() - t0, d) for d in deltas)  # times lost: the table is the profiled run's total
+    else:
+        stream = ((time.perf_counter() - t0, d) for d in engine.stream(prompts, params))
+    for now, d in stream:
         rec = recs.get(d.seq_id)
         if rec is None:
             rec = recs[d.seq_id] = stats.RequestRecord(ok=True, usage_reported=True)
-            order.append(d.seq_id)
         if d.token_ids:
             if rec.ttft is None:
                 rec.ttft = now
@@ -84,6 +87,10 @@ def run(args) -> int:
     print(f"{len(prompts)} sequences, {m['total_input_tokens']} prompt + {m['total_output_tokens']} generated "
           f"tokens in {duration:.2f}s: {m['output_throughput']:.1f} output tok/s, "
           f"{m['total_token_throughput']:.1f} total tok/s ({c.device}, {c.dtype}, max_num_seqs {c.max_num_seqs})")
+    if args.profile:
+        print(host)
+        if args.worker == "inproc":
+            print(probe.device_profile(engine.runner))
     if r["spec"]["steps"]:
         sp = r["spec"]
         print(f"speculative: {sp['accepted']} of {sp['drafts']} drafts accepted, "

@@ -91,13 +91,36 @@ def processed(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
 
 
 def uniforms(rows: int, width: int, seeds: list[tuple[int, int]], device) -> torch.Tensor:
-    """U(0, 1) [rows, width]; a seeded row draws from its own generator, seeded by its per-step seed."""
+    """U(0, 1) [rows, width]; a seeded row's come from its per-step seed alone (seeded_uniforms)."""
     u = torch.empty(rows, width, device=device).uniform_()
-    for row, seed in seeds:
-        g = torch.Generator(device=device)
-        g.manual_seed(seed & _MASK64)
-        u[row].uniform_(generator=g)
+    if seeds:
+        idx = torch.tensor([r for r, _ in seeds], device=device)
+        u[idx] = seeded_uniforms(torch.tensor([s & _MASK64 for _, s in seeds], dtype=torch.int64, device=device),
+                                 width)
     return u
+
+
+def _i64(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN, _MIX1, _MIX2 = _i64(0x9E3779B97F4A7C15), _i64(0xBF58476D1CE4E5B9), _i64(0x94D049BB133111EB)
+
+
+def _srl(z: torch.Tensor, k: int) -> torch.Tensor:
+    return (z >> k) & ((1 << (64 - k)) - 1)  # int64 shifts in torch keep the sign: a logical shift
+
+
+def seeded_uniforms(seeds: torch.Tensor, width: int) -> torch.Tensor:
+    """U(0, 1) [R, width] from each row's int64 seed: splitmix64 of seed + (j + 1) * golden ratio
+    (wrapping int64 arithmetic), its top 23 bits. A counter-based draw: a batch of seeded rows costs a
+    few kernels, not a generator per row (on a GPU, 256 rows of those took longer than the step)."""
+    j = torch.arange(1, width + 1, dtype=torch.int64, device=seeds.device)
+    z = seeds[:, None] + j[None, :] * _GOLDEN
+    z = (z ^ _srl(z, 30)) * _MIX1
+    z = (z ^ _srl(z, 27)) * _MIX2
+    z = z ^ _srl(z, 31)
+    return (_srl(z, 41) * 2 + 1).to(torch.float32) * (1.0 / (1 << 24))  # odd multiples of 2^-24: exact
 
 
 def race(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -74,6 +74,25 @@ def test_seeded_rows_ignore_neighbours():
     assert a[2] == b[2]
 
 
+def test_seeded_uniforms_are_splitmix64_and_uniform():
+    """The vectorised draw equals splitmix64 computed on Python integers, and its values spread
+    evenly over (0, 1)."""
+    from ops.sampling import seeded_uniforms
+    M = (1 << 64) - 1
+
+    def ref(seed, j):
+        z = (seed + j * 0x9E3779B97F4A7C15) & M
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M
+        return (((z ^ (z >> 31)) >> 41) * 2 + 1) / (1 << 24)
+    seeds = [0, 1, 99, (1 << 62) + 12345, (1 << 63) - 1]
+    got = seeded_uniforms(torch.tensor(seeds), 3)
+    assert got.tolist() == [[ref(s, j) for j in (1, 2, 3)] for s in seeds]
+    u = seeded_uniforms(torch.arange(20000), 1)[:, 0]
+    assert 0 < u.min() and u.max() < 1
+    assert torch.histc(u, bins=10, min=0, max=1).sub(2000).abs().max() < 200
+
+
 def test_logprobs_are_raw_model_logprobs():
     logits = torch.randn(2, V)
     toks, (chosen, ids, vals) = sample(logits, batch(2, temperature=torch.zeros(2), all_greedy=True,
