@@ -82,4 +82,9 @@ def test_graph_replays_give_the_eager_tokens(tiny_llama_path, monkeypatch):
     got = [o.token_ids for o in eng.generate(PROMPTS, params)]
     assert got == want
     assert g.replays >= 10  # most steps were decodes: they went through the graphs
+    # a real graph keeps pointers only: each tensor its metadata reads is held by the graphs' object
+    held = {t.untyped_storage().data_ptr() for t in [g.cu, *g.dev.values()]}
+    for meta in g.metas.values():
+        for t in (meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, meta.slot_mapping):
+            assert t.untyped_storage().data_ptr() in held
     eng.close()

@@ -11,7 +11,8 @@ How a graph is captured sits behind a capturer: `CudaCapturer` records real grap
 memory pool; `Rerun`, the CPU stand-in (XINFER_CPU_GRAPHS=1), runs the captured closure again on
 each replay, over the metadata made at capture time, so everything around the capture (buckets,
 padding, buffer updates, output slices) is tested without a GPU: a replay that read anything
-but the static buffers would differ from the eager step.
+but the static buffers would differ from the eager step. What the stand-in cannot show, a tensor
+freed after capture that a real graph still reads, tests/test_graphs.py checks by ownership.
 """
 from __future__ import annotations
 
@@ -105,16 +106,19 @@ class DecodeGraphs:
                      "lens": host(1, torch.int32), "tables": host(0, torch.int32, n, max_blocks)}
         self.view = {k: v.numpy() for k, v in self.host.items()}
         self.dev = {k: v.to(device) for k, v in self.host.items()}
-        cu = torch.arange(n + 1, dtype=torch.int32, device=device)
+        # A graph holds raw pointers, not tensors: whatever it reads must live as long as it does.
+        # (A local `cu` here was freed after capture and its memory reused: every replay read garbage
+        # query offsets, seen on an H200.)
+        self.cu = torch.arange(n + 1, dtype=torch.int32, device=device)
         d = self.dev
-        self.graphs = {}
+        self.graphs, self.metas = {}, {}
         self.replays = 0
         t0 = time.perf_counter()
         for b in reversed(self.sizes):
             # host lists are placeholders: the backend reads only the tensors (why_not)
-            meta = AttnMetadata(cu_seqlens_q=cu[:b + 1], seq_lens=d["lens"][:b], block_tables=d["tables"][:b],
-                                slot_mapping=d["slots"][:b], query_lens=[1] * b, kv_lens=[1] * b,
-                                block_size=block_size)
+            meta = self.metas[b] = AttnMetadata(
+                cu_seqlens_q=self.cu[:b + 1], seq_lens=d["lens"][:b], block_tables=d["tables"][:b],
+                slot_mapping=d["slots"][:b], query_lens=[1] * b, kv_lens=[1] * b, block_size=block_size)
 
             def fn(b=b, meta=meta):
                 set_context(meta, backend)
