@@ -8,7 +8,7 @@
 # decode graph's GPU time at a few contexts, an eager step's kernels). `eager` (--enforce-eager) runs
 # only when named. Each step has its own time limit, so one that hangs costs only its share. $OUT gets
 # log.txt (all output, in order) and the runs' JSON results: the device tool brings back at most 8 files.
-# `bash bench/gpu_check.sh tests` (or process, inproc, eager, profile) runs only the steps named.
+# `bash bench/gpu_check.sh tests` (or process, inproc, eager, fp8, profile) runs only the steps named.
 set -uo pipefail
 OUT=${OUT:-/tmp/xinfer-gpu}
 mkdir -p "$OUT"
@@ -38,6 +38,7 @@ for s in $STEPS; do
     process) offline process 90 --worker process ;;
     inproc) offline inproc 90 ;;
     eager) offline eager 90 --enforce-eager ;;
+    fp8) offline fp8 90 --worker process --kvcache-dtype fp8 ;;
     profile) offline profile 90 --profile --num-seqs 256 --min-input-len 512 --max-input-len 512 \
                --min-output-len 256 --max-output-len 256 ;;
   esac
