@@ -44,6 +44,9 @@ def test_profile_rows_are_the_largest_step_and_graph():
     assert [len(b) for b, _, _ in prefill] == [32, 32, 5]
     assert sorted(x for b, _, _ in prefill for x in b) == list(range(69))  # no block shared
     assert len(decode) == 20 and all(len(t) == 1 for _, _, t in decode)
+    short = EngineConfig(max_num_batched_tokens=8192, prefill_chunk_size=2048, max_model_len=1000)
+    prefill, _ = graphs.profile_rows(short, 16)
+    assert [len(t) for _, _, t in prefill] == [1000] * 8 + [192]  # no chunk past the model's positions
 
 
 def test_why_not_names_each_reason(tiny_llama_path, monkeypatch):

@@ -201,10 +201,13 @@ class CudaMemory:
 
 def profile_rows(config, block_size: int):
     """The largest step's rows (--max-num-batched-tokens in prefill chunks) and the largest decode
-    graph's, as forward() takes them, each on blocks of its own from 0 (dummy token 0)."""
+    graph's, as forward() takes them, each on blocks of its own from 0 (dummy token 0). A chunk is
+    no longer than --max-model-len: positions past the model's rotary table read outside it (an
+    illegal address on a GPU)."""
     prefill, nxt = [], 0
-    for start in range(0, config.max_num_batched_tokens, config.prefill_chunk_size):
-        n = min(config.prefill_chunk_size, config.max_num_batched_tokens - start)
+    chunk = min(config.prefill_chunk_size, config.max_model_len or config.prefill_chunk_size)
+    for start in range(0, config.max_num_batched_tokens, chunk):
+        n = min(chunk, config.max_num_batched_tokens - start)
         k = -(-n // block_size)
         prefill.append((list(range(nxt, nxt + k)), 0, [0] * n))
         nxt += k
