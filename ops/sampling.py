@@ -16,6 +16,15 @@ import torch
 _MASK64 = (1 << 63) - 1
 
 
+def on_device(values, dtype, device) -> torch.Tensor:
+    """A tensor of host values on `device`. On CUDA through pinned memory, copied without blocking:
+    a plain copy from pageable memory waits for the kernels queued before it (a decode graph), so
+    the host could not build the step's sampling inputs while the graph runs."""
+    if torch.device(device).type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 @dataclass
 class SamplingBatch:
     temperature: torch.Tensor  # [B] float; 0 = greedy
@@ -94,9 +103,8 @@ def uniforms(rows: int, width: int, seeds: list[tuple[int, int]], device) -> tor
     """U(0, 1) [rows, width]; a seeded row's come from its per-step seed alone (seeded_uniforms)."""
     u = torch.empty(rows, width, device=device).uniform_()
     if seeds:
-        idx = torch.tensor([r for r, _ in seeds], device=device)
-        u[idx] = seeded_uniforms(torch.tensor([s & _MASK64 for _, s in seeds], dtype=torch.int64, device=device),
-                                 width)
+        idx = on_device([r for r, _ in seeds], torch.long, device)
+        u[idx] = seeded_uniforms(on_device([s & _MASK64 for _, s in seeds], torch.int64, device), width)
     return u
 
 

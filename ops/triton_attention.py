@@ -282,7 +282,9 @@ def _attn_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit
+# A step's sequence count and block-table width change from step to step: specialised (== 1,
+# multiple of 16), each new pair would compile another variant in the middle of serving.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, ks_ptr, vs_ptr, lv_ptr, out_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,

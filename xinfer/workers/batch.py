@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from ops.attention import AttnMetadata, set_context
-from ops.sampling import SamplingBatch
+from ops.sampling import SamplingBatch, on_device
 from xinfer.sampling_params import SamplingParams
 
 
@@ -75,14 +75,14 @@ def sampling_batch(seqs: list[WorkerSeq], vocab_size: int, eos_ids: list[int], d
     def col(values, dtype=torch.float32, off=None):
         if off is not None and all(v == off for v in values):
             return None
-        return torch.tensor(values, dtype=dtype, device=dev)
+        return on_device(values, dtype, dev)
 
     def padded(lists):
         width = max(1, max(len(x) for x in lists))
         arr = np.full((len(lists), width), V, dtype=np.int64)
         for i, x in enumerate(lists):
             arr[i, :len(x)] = x
-        return torch.from_numpy(arr).to(dev)
+        return on_device(arr, torch.long, dev)
 
     outputs = [s.tokens[s.num_prompt:] for s in seqs]
     rep = col([p.repetition_penalty for p in ps], off=1.0)
@@ -106,15 +106,15 @@ def sampling_batch(seqs: list[WorkerSeq], vocab_size: int, eos_ids: list[int], d
             seeds.append((i, s.seed * 1_000_003 + len(out)))
     top_k = [min(p.top_k, V) if p.top_k > 0 else V for p in ps]
     return SamplingBatch(
-        temperature=torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev),
+        temperature=on_device([p.temperature for p in ps], torch.float32, dev),
         top_k=col(top_k, torch.long, off=V), top_p=col([p.top_p for p in ps], off=1.0),
         min_p=col([p.min_p for p in ps], off=0.0),
         repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq,
         output_ids=padded(outputs) if (rep is not None or pres is not None or freq is not None) else None,
         prompt_ids=padded([s.tokens[:s.num_prompt] for s in seqs]) if rep is not None else None,
-        bias=(torch.tensor(bias_rows, device=dev), torch.tensor(bias_ids, device=dev),
-              torch.tensor(bias_vals, device=dev)) if bias_rows else None,
-        banned=(torch.tensor(ban_rows, device=dev), torch.tensor(ban_ids, device=dev)) if ban_rows else None,
-        allowed=(torch.tensor(ok_rows, device=dev), torch.tensor(ok_ids, device=dev)) if ok_rows else None,
+        bias=(on_device(bias_rows, torch.long, dev), on_device(bias_ids, torch.long, dev),
+              on_device(bias_vals, torch.float32, dev)) if bias_rows else None,
+        banned=(on_device(ban_rows, torch.long, dev), on_device(ban_ids, torch.long, dev)) if ban_rows else None,
+        allowed=(on_device(ok_rows, torch.long, dev), on_device(ok_ids, torch.long, dev)) if ok_rows else None,
         seeds=seeds, all_greedy=all(p.greedy for p in ps), top_k_max=max((k for k in top_k if k < V), default=0),
         num_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=None))

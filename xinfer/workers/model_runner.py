@@ -13,7 +13,7 @@ import torch
 from ops import cpu_isa, cpu_kernels, kv_quant, turbo_quant
 from ops.attention import get_backend
 from ops.quant import MAX_ROWS, QuantWeight
-from ops.sampling import sample
+from ops.sampling import on_device, sample
 from ops.speculative import verify
 from xinfer import hybrid, spec
 from xinfer import parallel as tp
@@ -283,7 +283,10 @@ class ModelRunner:
         if not sample_seqs:
             self._after_step(plan, hidden, first_row, {})
             return StepResult(plan.step_id, [], b"", [], prompt_lps, embeddings=embeddings)
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)]) if last else None
+        every_row = len(sample_rows) == len(hidden) if last else False  # a decode step: no gather
+        logits = (self.model.compute_logits(hidden if every_row else hidden[on_device(sample_rows, torch.long,
+                                                                                      self.device)])
+                  if last else None)
         new, lps = self._sample(plan, logits, sample_seqs, drafts, q) if tp.world_rank() == 0 else ({}, {})
         if tp.world_size() > 1:  # rank 0 sampled: every rank's batch takes its tokens (one each: no drafts here)
             toks = tp.broadcast_tokens([new[sid][0] for sid in sample_seqs] if tp.world_rank() == 0 else [], len(sample_seqs))
@@ -336,7 +339,7 @@ class ModelRunner:
             r += 1 + len(drafts.get(sid, []))
         dev, new, lps = self.device, {}, {}
         if plain:
-            lg = logits if len(plain) == len(sample_seqs) else logits[torch.tensor([rows[s] for s in plain], device=dev)]
+            lg = logits if len(plain) == len(sample_seqs) else logits[on_device([rows[s] for s in plain], torch.long, dev)]
             batch = sampling_batch([self.seqs[i] for i in plain], self.vocab_size, self.eos_ids, dev)
             if plan.mask_seq_ids:
                 row = {sid: i for i, sid in enumerate(plain)}
@@ -350,7 +353,7 @@ class ModelRunner:
         specs = [sid for sid in sample_seqs if sid in drafts]
         if specs:
             idx = [rows[sid] + j for sid in specs for j in range(1 + len(drafts[sid]))]
-            lg = logits[torch.tensor(idx, device=dev)]
+            lg = logits[on_device(idx, torch.long, dev)]
             views = [v for sid in specs for v in drafted(self.seqs[sid], drafts[sid])]
             batch = sampling_batch(views, self.vocab_size, self.eos_ids, dev)
             toks, lp = verify(lg, batch, [drafts[sid] for sid in specs], [q.get(sid) for sid in specs])
