@@ -78,6 +78,7 @@ def run(args) -> int:
                     "max_output_len": args.max_output_len, "temperature": args.temperature, "seed": args.seed},
          **m,
          "worker": args.worker, "decode_graph_replays": getattr(getattr(engine.runner, "graphs", None), "replays", None),
+         "early_launches": getattr(engine.runner, "early_launches", None),  # in-process: steps pipelined
          "spec": {"drafts": engine.scheduler.num_draft_tokens, "accepted": engine.scheduler.num_accepted_tokens,
                   "steps": engine.scheduler.num_spec_steps},
          "output_throughput_series": stats.token_rate_series(records, duration),

@@ -91,3 +91,10 @@ def test_graph_replays_give_the_eager_tokens(tiny_llama_path, monkeypatch):
         for t in (meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, meta.slot_mapping):
             assert t.untyped_storage().data_ptr() in held
     eng.close()
+    # pipelined (CUDA's default): a graph's input ids come from the step before it on the device,
+    # its host mirrors alternate
+    monkeypatch.setenv("XINFER_CPU_PIPELINE", "1")
+    eng = Engine(EngineConfig(**base, overlap_schedule="on"))
+    assert [o.token_ids for o in eng.generate(PROMPTS, params)] == want
+    assert eng.core.runner.graphs.replays >= 10 and eng.core.runner.early_launches >= 8
+    eng.close()

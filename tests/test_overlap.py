@@ -43,6 +43,39 @@ def test_overlap_gives_the_tokens_of_one_step_at_a_time(tiny_llama_path):
     assert len(ahead) >= 8
 
 
+def test_pipelined_steps_give_the_tokens_of_one_step_at_a_time(tiny_llama_path, monkeypatch):
+    """Steps launched before the last one's tokens are read (xinfer/workers/pipeline.py, CUDA's
+    default, forced here on the CPU): the input token of a sequence comes from the device. With
+    logprobs, a repetition penalty (which reads the tokens: its steps wait) and a small cache
+    (preemption, recompute), the tokens are those of one step at a time."""
+    params = PARAMS[:-1] + [SamplingParams(max_tokens=7, temperature=0.9, seed=5, ignore_eos=True, logprobs=2)]
+    runs = {}
+    for pipelined in (False, True):
+        monkeypatch.setenv("XINFER_CPU_PIPELINE", "1" if pipelined else "0")
+        for blocks in (64, 12):
+            for rep in (1.0, 1.3):
+                ps = params[:1] + [SamplingParams(max_tokens=5, ignore_eos=True, repetition_penalty=rep, **G)] + params[2:]
+                e = Engine(EngineConfig(model=tiny_llama_path, block_size=4, num_kv_blocks=blocks, overlap_schedule="on"))
+                outs = e.generate(PROMPTS, ps)
+                runs[pipelined, blocks, rep] = ([(o.token_ids, o.finish_reason) for o in outs],
+                                                [[c[0] for c in o.logprobs] for o in outs if o.logprobs])
+                assert (e.runner.early_launches > 4) == pipelined, e.runner.early_launches
+                e.blocks.check_integrity()
+                e.close()
+    for key, want in runs.items():
+        got = runs[True, *key[1:]]
+        assert got[0] == want[0]
+        assert all(abs(a - b) < 1e-5 for x, y in zip(got[1], want[1]) for a, b in zip(x, y))
+    # the worker in its own process (serving's shape) launches ahead from the plans in its ring
+    e = Engine(EngineConfig(model=tiny_llama_path, block_size=4, num_kv_blocks=64, overlap_schedule="on"),
+               worker="process", log_level="warning")
+    try:
+        ps = params[:1] + [SamplingParams(max_tokens=5, ignore_eos=True, **G)] + params[2:]
+        assert [(o.token_ids, o.finish_reason) for o in e.generate(PROMPTS, ps)] == runs[False, 64, 1.0][0]
+    finally:
+        e.close()
+
+
 def test_overlap_under_a_small_cache_preempts_only_in_step(tiny_llama_path):
     """12 blocks of 4 tokens for 6 requests: sequences wait or are preempted and recomputed; the
     tokens stay those of the engine without overlap."""

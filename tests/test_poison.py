@@ -33,9 +33,14 @@ def _run(engine, prompts, kill_at=()):
     return [toks[i] for i in ids], [reasons[i] for i in ids], [errors[i] for i in ids]
 
 
-def test_a_step_that_raises_ends_only_its_request(tiny_llama_path, reference, monkeypatch):
-    e = Engine(EngineConfig(model=tiny_llama_path, num_kv_blocks=64, block_size=4))
-    real = e.runner._execute
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_step_that_raises_ends_only_its_request(tiny_llama_path, reference, monkeypatch, pipelined):
+    """Also with pipelined steps (CUDA's default, xinfer/workers/pipeline.py): the step launched
+    after a failed one fails with it, and both are recomputed."""
+    monkeypatch.setenv("XINFER_CPU_PIPELINE", "1" if pipelined else "0")
+    e = Engine(EngineConfig(model=tiny_llama_path, num_kv_blocks=64, block_size=4,
+                            overlap_schedule="on" if pipelined else "off"))
+    real = e.runner._launch
     poisoned = set()
 
     def execute(plan):
@@ -46,7 +51,7 @@ def test_a_step_that_raises_ends_only_its_request(tiny_llama_path, reference, mo
             raise IndexError("index 9223372036854775807 is out of bounds")  # what a bad value did once
         return real(plan)
 
-    monkeypatch.setattr(e.runner, "_execute", execute)
+    monkeypatch.setattr(e.runner, "_launch", execute)
     toks, reasons, errors = _run(e, PROMPTS[:2] + [POISON] + PROMPTS[2:])
     assert toks[:2] + toks[3:] == reference
     assert reasons == ["length", "length", "error", "length", "length"]

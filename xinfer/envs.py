@@ -109,6 +109,12 @@ def cpu_graphs() -> bool:
     return _flag("XINFER_CPU_GRAPHS", False)
 
 
+def cpu_pipeline() -> bool:
+    """XINFER_CPU_PIPELINE=1: pipelined steps (xinfer/workers/pipeline.py) on the CPU too, where they
+    gain nothing but run the same bookkeeping as on CUDA (tests)."""
+    return _flag("XINFER_CPU_PIPELINE", False)
+
+
 def triton_ops() -> bool:
     """XINFER_TRITON_OPS=1: the fused Triton norm, activation and rotary kernels (ops/triton_fused.py)
     on the CPU too, through the interpreter (tests); on CUDA they run whenever Triton is installed."""

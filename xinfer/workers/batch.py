@@ -26,6 +26,9 @@ class WorkerSeq:
     mtp_hidden: torch.Tensor | None = None  # --speculative-method mtp: the MTP head's last output [1, H]
     state_slot: int = -1  # hybrid models: its recurrent-state slot (xinfer/hybrid.py)
     mm: object = None  # a prompt with images: its workers/mm.SeqImages
+    # its last token still on the device (xinfer/workers/pipeline.py): (index in tokens, the step's
+    # DeviceTokens, row in them)
+    pending: tuple | None = None
 
 
 def drafted(ws: WorkerSeq, drafts: list[int]) -> list[WorkerSeq]:
@@ -34,11 +37,12 @@ def drafted(ws: WorkerSeq, drafts: list[int]) -> list[WorkerSeq]:
 
 
 def forward(model, backend, device, block_size: int, rows: list[tuple[list[int], int, list[int]]],
-            state_slots: list[int] | None = None, state_snapshots=None, **inputs):
+            state_slots: list[int] | None = None, state_snapshots=None, fix=None, **inputs):
     """Hidden states of `rows` (block ids, position of the first token, tokens), one sequence each,
     appended to what their KV cache holds before those positions. `inputs`: more per-row inputs of
     the model's (the MTP head's target hidden states). `state_slots`: each row's recurrent-state slot
-    (hybrid models), `state_snapshots` where to copy it (xinfer/hybrid.py row_snapshots)."""
+    (hybrid models), `state_snapshots` where to copy it (xinfer/hybrid.py row_snapshots). `fix`: ids
+    the step in flight is still sampling (pipeline.Fixups)."""
     bs = block_size
     ids, pos, slots, qlens, kvlens = [], [], [], [], []
     for blocks, start, toks in rows:
@@ -53,16 +57,18 @@ def forward(model, backend, device, block_size: int, rows: list[tuple[list[int],
     for i, (b, _, _) in enumerate(rows):
         table[i, :len(b)] = b
     meta = AttnMetadata(
-        cu_seqlens_q=torch.tensor(np.cumsum([0] + qlens), dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(kvlens, dtype=torch.int32, device=device),
-        block_tables=torch.from_numpy(table).to(device),
-        slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device),
+        cu_seqlens_q=on_device(np.cumsum([0] + qlens), torch.int32, device),
+        seq_lens=on_device(kvlens, torch.int32, device),
+        block_tables=on_device(table, torch.int32, device),
+        slot_mapping=on_device(np.concatenate(slots), torch.long, device),
         query_lens=qlens, kv_lens=kvlens, block_size=bs, state_slots=state_slots,
         state_snapshots=state_snapshots, bidirectional=getattr(inputs.get("mm"), "spans", None))
+    ids_t = on_device(ids, torch.long, device)
+    if fix is not None:
+        fix.apply(ids_t)
     set_context(meta, backend)
     try:
-        return model(torch.tensor(ids, dtype=torch.long, device=device), torch.from_numpy(np.concatenate(pos)).to(device),
-                     **inputs)
+        return model(ids_t, on_device(np.concatenate(pos), torch.long, device), **inputs)
     finally:
         set_context(None)
 

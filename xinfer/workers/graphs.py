@@ -99,13 +99,22 @@ class DecodeGraphs:
         self.sizes = buckets(min(max_bs, MAX_CAPTURE))
         self.block_size, self.width = block_size, max_blocks
         n, pin = self.sizes[-1], device.type == "cuda"
+        self.pinned = pin
 
         def host(fill, dtype, *shape):
             return torch.full(shape or (n,), fill, dtype=dtype, pin_memory=pin)
-        self.host = {"ids": host(0, torch.long), "pos": host(0, torch.long), "slots": host(-1, torch.long),
-                     "lens": host(1, torch.int32), "tables": host(0, torch.int32, n, max_blocks)}
-        self.view = {k: v.numpy() for k, v in self.host.items()}
-        self.dev = {k: v.to(device) for k, v in self.host.items()}
+
+        def buffers():
+            return {"ids": host(0, torch.long), "pos": host(0, torch.long), "slots": host(-1, torch.long),
+                    "lens": host(1, torch.int32), "tables": host(0, torch.int32, n, max_blocks)}
+        # two sets of host mirrors, used in turn: with pipelined steps (pipeline.py) the next step
+        # is written while the copy out of the last one's may still wait in the stream; an event
+        # after each set's copies says when it is free again
+        self.hosts = [buffers(), buffers()]
+        self.views = [{k: v.numpy() for k, v in h.items()} for h in self.hosts]
+        self.copied = [None, None]
+        self.turn = 0
+        self.dev = {k: v.to(device) for k, v in self.hosts[0].items()}
         # A graph holds raw pointers, not tensors: whatever it reads must live as long as it does.
         # (A local `cu` here was freed after capture and its memory reused: every replay read garbage
         # query offsets, seen on an H200.)
@@ -133,13 +142,19 @@ class DecodeGraphs:
         return (len(rows) <= self.sizes[-1] and all(len(t) == 1 for _, _, t in rows)
                 and max(len(b) for b, _, _ in rows) <= self.width)
 
-    def run(self, rows: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
+    def run(self, rows: list[tuple[list[int], int, list[int]]], fix=None) -> torch.Tensor:
         """Hidden states [len(rows), H] of one decode token a row (block ids, position, [token])
-        from the smallest graph that holds them; only rows that `fits`."""
-        n, bs, v = len(rows), self.block_size, self.view
+        from the smallest graph that holds them; only rows that `fits`. `fix`: ids the step in
+        flight is still sampling (pipeline.Fixups)."""
+        k, n, bs = self.turn, len(rows), self.block_size
+        self.turn = 1 - k
+        if self.copied[k] is not None:
+            self.copied[k].synchronize()
+        host, v = self.hosts[k], self.views[k]
         b = bucket_for(n, self.sizes)
         pos = np.fromiter((start for _, start, _ in rows), dtype=np.int64, count=n)
         v["ids"][:n] = [t[0] for _, _, t in rows]
+        v["ids"][n:b] = 0  # a padding row may hold a PENDING id (pipeline.py) from an earlier step
         v["pos"][:n] = pos
         v["slots"][:n] = [blocks[p // bs] * bs + p % bs for (blocks, _, _), p in zip(rows, pos.tolist())]
         v["slots"][n:b] = -1
@@ -147,9 +162,13 @@ class DecodeGraphs:
         v["lens"][n:b] = 1
         for i, (blocks, _, _) in enumerate(rows):  # entries past a row's last block are never read
             v["tables"][i, :len(blocks)] = blocks
-        # non-blocking from pinned memory: the step's sampling syncs before the next step writes here
-        for k, t in self.dev.items():
-            t[:b].copy_(self.host[k][:b], non_blocking=True)
+        for name, t in self.dev.items():  # non-blocking from pinned memory
+            t[:b].copy_(host[name][:b], non_blocking=True)
+        if self.pinned:
+            self.copied[k] = torch.cuda.Event()
+            self.copied[k].record()
+        if fix is not None:
+            fix.apply(self.dev["ids"])
         replay, out = self.graphs[b]
         replay()
         self.replays += 1

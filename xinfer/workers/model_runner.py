@@ -15,7 +15,7 @@ from ops.attention import get_backend
 from ops.quant import MAX_ROWS, QuantWeight
 from ops.sampling import on_device, sample
 from ops.speculative import verify
-from xinfer import hybrid, spec
+from xinfer import envs, hybrid, spec
 from xinfer import parallel as tp
 from xinfer.config import EngineConfig
 from xinfer.ipc.step import StepPlan, StepResult, pack_ids, unpack_ids
@@ -23,7 +23,7 @@ from xinfer.loader import ModelInfo, load_model_info
 from xinfer.loader.isq import apply_isq
 from xinfer.loader.weights import build_model
 from xinfer.models.layers import attach_blocks, attach_fast
-from xinfer.workers import graphs
+from xinfer.workers import graphs, pipeline
 from xinfer.workers.batch import WorkerSeq, drafted, forward, sampling_batch
 from xinfer.workers.drafter import Drafter
 from xinfer.workers.mm import VisionInputs
@@ -100,6 +100,12 @@ class ModelRunner:
             log.info("decode steps run eagerly: %s", self.graph_why)
         self.seqs: dict[int, WorkerSeq] = {}
         self._sent: collections.deque[StepPlan] = collections.deque()
+        self._inflight: collections.deque[pipeline.Launched] = collections.deque()
+        self.early_launches = 0  # steps launched before the one before them was read back
+        # launch a step before reading the last one's tokens (pipeline.py): on CUDA with overlap
+        # scheduling, one rank, no draft model or MTP head, no images
+        self.early_launch = (config.overlap_schedule == "on" and (self.device.type == "cuda" or envs.cpu_pipeline())
+                             and tp.world_size() == 1 and self.drafter is None and not hasattr(self.model, "encode_images"))
         if config.kvcache_dtype.startswith("turbo"):
             self._calibrate_key_shift(info)
         # a vision-language model: images' positions, encoder runs and embeddings (xinfer/workers/mm.py)
@@ -196,12 +202,17 @@ class ModelRunner:
     def restart(self) -> None:
         self.seqs.clear()  # in-process: nothing died; the recompute refills the batch
         self._sent.clear()
+        self._inflight.clear()
 
     def submit(self, plan: StepPlan) -> None:
         self._sent.append(plan)  # in-process, a step runs when its result is asked for
 
     def collect(self) -> StepResult:
-        return self.execute(self._sent.popleft())
+        """The oldest step's result; a step sent after it is launched first where it can be
+        (xinfer/workers/pipeline.py)."""
+        while self._sent and self.ready(self._sent[0]):
+            self.start(self._sent.popleft())
+        return self.finish()
 
     def dead(self) -> str | None:
         return None
@@ -225,23 +236,65 @@ class ModelRunner:
                 self.seqs[s.seq_id].block_ids.extend(s.new_block_ids)
 
     def execute(self, plan: StepPlan) -> StepResult:
-        """One step; a step that raises (a bug, or input nothing caught before) clears the batch and
-        says so in the result instead of taking the worker down."""
+        """One step, launched and finished; a step that raises (a bug, or input nothing caught
+        before) clears the batch and says so in the result instead of taking the worker down."""
+        self.start(plan)
+        return self.finish()
+
+    def in_flight(self) -> int:
+        return len(self._inflight)
+
+    def ready(self, plan: StepPlan | None) -> bool:
+        """Whether `plan` can launch now: nothing in flight, or one step whose tokens `plan` can
+        take on the device (pipeline.py)."""
+        if not self._inflight:
+            return True
+        if not self.early_launch or len(self._inflight) > 1 or plan is None:
+            return False
+        prev = self._inflight[0]
+        if (prev.error is not None or prev.drafts or prev.plan.mask_seq_ids or plan.mask_seq_ids or plan.state_restores
+                or any(s.num_spec or s.draft_ids for s in plan.scheduled)):
+            return False
+        params = {ns.seq_id: ns.params for ns in plan.new_seqs}
+        return not any(pipeline.reads_outputs(params[s.seq_id] if s.seq_id in params else self.seqs[s.seq_id].params)
+                       for s in plan.scheduled)
+
+    def start(self, plan: StepPlan) -> None:
+        """Launch `plan` (after those in flight): its forward and sampling are queued on the device."""
         try:
-            return self._execute(plan)
+            step = self._launch(plan)
         except Exception as e:
             if tp.world_size() > 1:  # the other ranks may wait in a collective: the whole group restarts
                 raise
             log.warning("step %d failed: %s: %s", plan.step_id, type(e).__name__, e)
             log.debug("step failure", exc_info=True)
-            self.seqs.clear()
-            return StepResult(plan.step_id, [], b"", error=f"{type(e).__name__}: {e}")
+            step = pipeline.Launched(plan, error=f"{type(e).__name__}: {e}")
+        self.early_launches += bool(self._inflight)
+        self._inflight.append(step)
 
-    @torch.inference_mode()
-    def _execute(self, plan: StepPlan) -> StepResult:
+    def finish(self) -> StepResult:
+        """The oldest launched step's result, its tokens read back. A failed step clears the batch;
+        a step launched after it fails with it."""
+        step = self._inflight.popleft()
+        if step.error is None:
+            try:
+                return self._finish(step)
+            except Exception as e:
+                if tp.world_size() > 1:
+                    raise
+                log.warning("step %d failed: %s: %s", step.plan.step_id, type(e).__name__, e)
+                log.debug("step failure", exc_info=True)
+                step.error = f"{type(e).__name__}: {e}"
+        self.seqs.clear()
+        for later in self._inflight:
+            later.error = later.error or f"step {step.plan.step_id} before it failed ({step.error})"
+        return StepResult(step.plan.step_id, [], b"", error=step.error)
+
+    def _launch(self, plan: StepPlan) -> pipeline.Launched:
         self._apply(plan)
+        step = pipeline.Launched(plan)
         if not plan.scheduled:
-            return StepResult(plan.step_id, [], b"")
+            return step
         drafts = {s.seq_id: unpack_ids(s.draft_ids) for s in plan.scheduled if s.num_spec and s.draft_ids}
         q = {}
         if self.drafter is not None and any(s.num_spec and not s.draft_ids for s in plan.scheduled):
@@ -251,14 +304,17 @@ class ModelRunner:
         first_row = {}
         scored = []  # prompt logprobs asked: (seq id, first row, first scored position, count)
         pooled = []  # embedding sequences: (seq id, first row, first position, end)
+        fix = pipeline.Fixups()  # input tokens the step in flight samples
         for s in plan.scheduled:
             ws = self.seqs[s.seq_id]
+            step.seqs[s.seq_id] = ws
             start, end = ws.num_computed, ws.num_computed + s.num_tokens
             if ws.params.prompt_logprobs is not None and start < ws.num_prompt - 1:
                 scored.append((s.seq_id, n, start + 1, min(end, ws.num_prompt - 1) - start))
             if ws.params.embed:
                 pooled.append((s.seq_id, n, start, end))
             d = drafts.get(s.seq_id, [])
+            fix.add(ws, start, end, n)
             rows.append((ws.block_ids, start, ws.tokens[start:end] + d))
             first_row[s.seq_id] = (n, start)
             n += s.num_tokens + len(d)
@@ -268,43 +324,57 @@ class ModelRunner:
         mm = {} if self.vision is None else {"mm": self.vision.inputs([self.seqs[s.seq_id] for s in plan.scheduled],
                                                                       rows)}
         if tp.stages() > 1:
-            hidden = self._pipelined(rows)
+            hidden = self._microbatched(rows)
         elif self.graphs is not None and self.graphs.fits(rows):
-            hidden = self.graphs.run(rows)
+            hidden = self.graphs.run(rows, fix)
         else:
             hidden = forward(self.model, self.backend, self.device, self.block_size, rows,
                              [self.seqs[s.seq_id].state_slot for s in plan.scheduled],
-                             hybrid.row_snapshots(plan, self.seqs), **mm)
+                             hybrid.row_snapshots(plan, self.seqs), fix=fix, **mm)
         for s in plan.scheduled:
             self.seqs[s.seq_id].num_computed += s.num_tokens
         last = tp.last_stage()  # pipeline parallel: only the last stage has the final hidden states
-        prompt_lps = self._prompt_logprobs(hidden, scored) if scored and last else []
-        embeddings = self._pool(hidden, pooled) if pooled and last else []
+        step.prompt_lps = self._prompt_logprobs(hidden, scored) if scored and last else []
+        step.embeddings = self._pool(hidden, pooled) if pooled and last else []
+        step.hidden, step.first_row, step.drafts, step.sample_seqs = hidden, first_row, drafts, sample_seqs
         if not sample_seqs:
-            self._after_step(plan, hidden, first_row, {})
-            return StepResult(plan.step_id, [], b"", [], prompt_lps, embeddings=embeddings)
+            return step
         every_row = len(sample_rows) == len(hidden) if last else False  # a decode step: no gather
         logits = (self.model.compute_logits(hidden if every_row else hidden[on_device(sample_rows, torch.long,
                                                                                       self.device)])
                   if last else None)
-        new, lps = self._sample(plan, logits, sample_seqs, drafts, q) if tp.world_rank() == 0 else ({}, {})
+        if tp.world_rank() == 0:
+            self._sample(step, logits, q)
+        return step
+
+    def _finish(self, step: pipeline.Launched) -> StepResult:
+        plan, sample_seqs, drafts = step.plan, step.sample_seqs, step.drafts
+        if not sample_seqs:
+            self._after_step(plan, step.hidden, step.first_row, {})
+            return StepResult(plan.step_id, [], b"", [], step.prompt_lps, embeddings=step.embeddings)
+        new, lps = self._sampled(step) if tp.world_rank() == 0 else ({}, {})
         if tp.world_size() > 1:  # rank 0 sampled: every rank's batch takes its tokens (one each: no drafts here)
             toks = tp.broadcast_tokens([new[sid][0] for sid in sample_seqs] if tp.world_rank() == 0 else [], len(sample_seqs))
             new = {sid: [t] for sid, t in zip(sample_seqs, toks)}
         for sid in sample_seqs:
-            ws, toks = self.seqs[sid], new[sid]
-            ws.tokens.extend(toks)
+            ws, toks = step.seqs[sid], new[sid]
+            if sid in step.placeholders:  # where the launch left it (a later launch may have added another)
+                ws.tokens[step.placeholders[sid]] = toks[0]
+                if ws.pending is not None and ws.pending[1] is step.tokens:
+                    ws.pending = None
+            else:
+                ws.tokens.extend(toks)
             if sid in drafts:  # the accepted drafts' KV is valid; the rejected ones' slots are given back
                 ws.num_computed += len(toks) - 1
                 ws.draft_computed = min(ws.draft_computed, ws.num_computed)
                 del ws.block_ids[spec.blocks_needed(ws.num_computed, self.block_size):]
-        self._after_step(plan, hidden, first_row, {sid: len(new[sid]) - 1 for sid in drafts})
+        self._after_step(plan, step.hidden, step.first_row, {sid: len(new[sid]) - 1 for sid in drafts})
         flat = [t for sid in sample_seqs for t in new[sid]]
         per_token = [e for sid in sample_seqs for e in lps.get(sid, [None] * len(new[sid]))] if lps else []
-        return StepResult(plan.step_id, sample_seqs, pack_ids(flat), per_token, prompt_lps, embeddings=embeddings,
-                          counts=[len(new[sid]) for sid in sample_seqs] if drafts else [])
+        return StepResult(plan.step_id, sample_seqs, pack_ids(flat), per_token, step.prompt_lps,
+                          embeddings=step.embeddings, counts=[len(new[sid]) for sid in sample_seqs] if drafts else [])
 
-    def _pipelined(self, rows):
+    def _microbatched(self, rows):
         """Pipeline parallel: the step's sequences in up to --pipeline-parallel-size microbatches of
         about equal tokens, each through this stage's layers in turn, so that while the next stage
         works on one this stage works on the next. The last stage's hidden states, else None."""
@@ -329,15 +399,17 @@ class ModelRunner:
             kept.append((self.seqs[s.seq_id], start, hidden[row:row + s.num_tokens + accepted.get(s.seq_id, 0)]))
         self.drafter.after_step(kept)
 
-    def _sample(self, plan, logits, sample_seqs, drafts, q):
-        """Each sampling sequence's new tokens ({seq id: [tokens]}) and, when asked, their logprobs
-        ({seq id: [entry per token]}). logits: one row per sequence, k + 1 for one with k drafts."""
+    def _sample(self, step: pipeline.Launched, logits, q) -> None:
+        """Queue the sampling of the step's rows (one per sequence, k + 1 for one with k drafts):
+        the plain sequences' tokens stay on the device, each sequence's tokens end with a PENDING
+        placeholder until the finish (pipeline.py); drafted sequences are verified now."""
+        plan, sample_seqs, drafts = step.plan, step.sample_seqs, step.drafts
         plain = [sid for sid in sample_seqs if sid not in drafts]
         rows, r = {}, 0
         for sid in sample_seqs:
             rows[sid] = r
             r += 1 + len(drafts.get(sid, []))
-        dev, new, lps = self.device, {}, {}
+        dev = self.device
         if plain:
             lg = logits if len(plain) == len(sample_seqs) else logits[on_device([rows[s] for s in plain], torch.long, dev)]
             batch = sampling_batch([self.seqs[i] for i in plain], self.vocab_size, self.eos_ids, dev)
@@ -345,13 +417,16 @@ class ModelRunner:
                 row = {sid: i for i, sid in enumerate(plain)}
                 words = torch.from_numpy(np.frombuffer(plan.masks, dtype=np.int32).reshape(len(plan.mask_seq_ids), -1).copy())
                 batch.grammar = (torch.tensor([row[sid] for sid in plan.mask_seq_ids], device=dev), words.to(dev))
-            tokens, lp = sample(lg, batch)
-            tokens = tokens.tolist()
-            new.update((sid, [t]) for sid, t in zip(plain, tokens))
-            if lp is not None:
-                lps.update((sid, [e]) for sid, e in zip(plain, self._logprobs(plain, tokens, lp)))
+            tokens, step.logprobs = sample(lg, batch)
+            step.plain, step.tokens = plain, pipeline.DeviceTokens(tokens)
+            for i, sid in enumerate(plain):
+                ws = self.seqs[sid]
+                ws.tokens.append(pipeline.PENDING)
+                ws.pending = (len(ws.tokens) - 1, step.tokens, i)
+                step.placeholders[sid] = len(ws.tokens) - 1
         specs = [sid for sid in sample_seqs if sid in drafts]
         if specs:
+            new, lps = {}, {}
             idx = [rows[sid] + j for sid in specs for j in range(1 + len(drafts[sid]))]
             lg = logits[on_device(idx, torch.long, dev)]
             views = [v for sid in specs for v in drafted(self.seqs[sid], drafts[sid])]
@@ -362,6 +437,18 @@ class ModelRunner:
                 per_token = [sid for sid, t in zip(specs, toks) for _ in t]
                 entries = iter(self._logprobs(per_token, [x for t in toks for x in t], lp))
                 lps.update((sid, [next(entries) for _ in t]) for sid, t in zip(specs, toks))
+            step.spec = (new, lps)
+
+    def _sampled(self, step: pipeline.Launched):
+        """Each sampling sequence's new tokens ({seq id: [tokens]}) and, when asked, their logprobs
+        ({seq id: [entry per token]}), read back from the device."""
+        new, lps = dict(step.spec[0]), dict(step.spec[1])
+        if step.plain:
+            tokens = step.tokens.tolist()
+            new.update((sid, [t]) for sid, t in zip(step.plain, tokens))
+            if step.logprobs is not None:
+                lps.update((sid, [e]) for sid, e in zip(step.plain, self._logprobs(step.plain, tokens, step.logprobs,
+                                                                                    step.seqs)))
         return new, lps
 
     def _pool(self, hidden, pooled) -> list[tuple[int, bytes]]:
@@ -417,13 +504,15 @@ class ModelRunner:
             out.append((sid, first, list(zip(chosen, alts, ranks))))
         return out
 
-    def _logprobs(self, seq_ids, tokens, lps):
+    def _logprobs(self, seq_ids, tokens, lps, seqs=None):
+        """`seqs`: where to find the sequences (a finished step's own: a later one may have dropped them)."""
         if lps is None:
             return []
+        seqs = self.seqs if seqs is None else seqs
         chosen, top_ids, top_vals = (x.tolist() if x is not None else None for x in lps)
         out = []
         for i, sid in enumerate(seq_ids):
-            k = self.seqs[sid].params.logprobs
+            k = seqs[sid].params.logprobs
             if k is None:
                 out.append(None)
             else:

@@ -57,19 +57,31 @@ def _worker_main(config, num_blocks, plan_ring, result_ring, plan_side, result_s
     process.started(f"xinfer::worker-{rank}")
     if results is not None:
         results.write(enc.encode(WorkerReady(os.getpid(), runner.num_blocks)))
+    queue: collections.deque = collections.deque()  # plans read, not yet launched
     while True:
-        try:
-            frame = plans.read()
+        try:  # wait for a plan only with nothing to do; take whatever else has come meanwhile
+            if not queue and not runner.in_flight():
+                queue.append(dec.decode(plans.read()))
+            while plans.poll():
+                queue.append(dec.decode(plans.read()))
         except (PeerDied, RingClosed):
             log.info("scheduler gone or shutting down; exiting")
             # Nothing to clean up here (the scheduler owns the rings), and tearing down an
             # interpreter with torch loaded takes seconds: leave at once.
             logging.shutdown()
             os._exit(0)
-        plan = dec.decode(frame)
-        # An undecodable plan is answered with step -1: the scheduler then rebuilds this
-        # worker's state by recompute instead of waiting for a result that never comes.
-        result = runner.execute(plan) if plan is not None else StepResult(-1, [], b"")
+        # the next step is launched before the last one's tokens are read where it can be
+        # (xinfer/workers/pipeline.py), so the device runs one while the host finishes the other
+        if queue and queue[0] is not None and runner.ready(queue[0]):
+            runner.start(queue.popleft())
+            continue  # and look for a plan that came meanwhile before reading this one's tokens
+        if runner.in_flight():
+            result = runner.finish()
+        else:
+            # An undecodable plan is answered with step -1: the scheduler then rebuilds this
+            # worker's state by recompute instead of waiting for a result that never comes.
+            queue.popleft()
+            result = StepResult(-1, [], b"")
         if results is not None:
             results.write(enc.encode(result))
 
