@@ -14,7 +14,7 @@ from ops.attention import AttnMetadata, TorchBackend
 from tests.conftest import has_triton
 from xinfer import Engine, EngineConfig, SamplingParams
 from xinfer.cli import add_engine_args, engine_config
-from xinfer.workers.model_runner import kv_bytes_per_token
+from xinfer.workers.kv_memory import kv_bytes_per_token
 
 FP8 = ["fp8_e4m3", "fp8_e5m2"]
 ALL = ["bf16", "fp16"] + FP8

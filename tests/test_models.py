@@ -180,7 +180,7 @@ def _check_logits(name, path, ref, backend="torch"):
 def test_mla_caches_the_compressed_kv(tmp_path):
     """MLA's paged cache holds, per token and layer, the latent (32) and the rotated shared key (16):
     one tensor read as K and V, and the block budget counts it once."""
-    from xinfer.workers.model_runner import kv_bytes_per_token
+    from xinfer.workers.kv_memory import kv_bytes_per_token
     _make("deepseek_v3").save_pretrained(tmp_path)
     engine = Engine(EngineConfig(model=str(tmp_path), block_size=4, num_kv_blocks=8))
     for a in engine.runner.model.attention_layers():

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ops import cpu_isa, cpu_kernels, kv_quant, turbo_quant
+from ops import cpu_isa, cpu_kernels, turbo_quant
 from ops.attention import get_backend
 from ops.quant import MAX_ROWS, QuantWeight
 from ops.sampling import on_device, sample
@@ -23,7 +23,7 @@ from xinfer.loader import ModelInfo, load_model_info
 from xinfer.loader.isq import apply_isq
 from xinfer.loader.weights import build_model
 from xinfer.models.layers import attach_blocks, attach_fast
-from xinfer.workers import graphs, pipeline
+from xinfer.workers import graphs, kv_memory, outputs, pipeline
 from xinfer.workers.batch import WorkerSeq, drafted, forward, sampling_batch
 from xinfer.workers.drafter import Drafter
 from xinfer.workers.mm import VisionInputs
@@ -31,23 +31,6 @@ from xinfer.workers.mtp import MtpDrafter
 
 log = logging.getLogger("xinfer.worker")
 CALIBRATION = Path(__file__).resolve().parent.parent / "configs" / "calibration.txt"
-
-
-def kv_bytes_per_token(cfg: dict, dtype: torch.dtype | str) -> int:
-    """`dtype`: the cache's storage dtype or turbo format (kv_quant.storage_dtype); scales included."""
-    if cfg.get("kv_lora_rank"):  # MLA: one latent and rotary key per token stand for both K and V
-        return cfg["num_hidden_layers"] * kv_quant.head_bytes(cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"], dtype)
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    return 2 * hybrid.num_kv_layers(cfg) * kv_heads * kv_quant.head_bytes(head_dim, dtype)
-
-
-def kv_block_bytes(config: EngineConfig, cfg: dict, dtype: torch.dtype, draft_cfg: dict | None = None) -> int:
-    """`dtype`: the model's (--kvcache-dtype may store K/V in another); `draft_cfg`: a draft model's
-    config, whose KV lives in the same blocks."""
-    dtype = kv_quant.storage_dtype(config.kvcache_dtype, dtype)
-    per_token = kv_bytes_per_token(cfg, dtype) + (kv_bytes_per_token(draft_cfg, dtype) if draft_cfg else 0)
-    return per_token * config.block_size
 
 
 class ModelRunner:
@@ -84,17 +67,18 @@ class ModelRunner:
                                    self.vocab_size, self.eos_ids, config.prefill_chunk_size)
             log.info("draft model %s proposes %d tokens a step", dinfo.name, config.num_speculative_tokens)
         self.graph_why = graphs.why_not(config, self.model, self.backend, self.device)
-        self.num_blocks = num_blocks or config.num_kv_blocks or self._kv_blocks(kv_block_bytes(config, cfg, self.dtype,
-                                                                                               draft_cfg))
+        self.num_blocks = num_blocks or config.num_kv_blocks or self._kv_blocks(
+            kv_memory.kv_block_bytes(config, cfg, self.dtype, draft_cfg))
         self.num_blocks = tp.world_min(self.num_blocks)  # each rank's free memory may differ
-        self._alloc_kv(self.model)
+        kv_memory.alloc_kv(self.model, self.config, self.num_blocks, self.dtype, self.backend.name, self.device)
         if hasattr(self.model, "alloc_state"):  # hybrids: the linear-attention layers' recurrent state
             snaps = hybrid.num_snapshots(config)
             nbytes = self.model.alloc_state(config.max_num_seqs + snaps, self.device)
             log.info("recurrent-state pool: %d slots (--max-num-seqs) and %d prefix-cache snapshots, %.2f GiB",
                      config.max_num_seqs, snaps, nbytes / (1 << 30))
         if self.drafter is not None:
-            self._alloc_kv(self.drafter.model)  # a draft model or the MTP head
+            # a draft model or the MTP head
+            kv_memory.alloc_kv(self.drafter.model, self.config, self.num_blocks, self.dtype, self.backend.name, self.device)
         self.graphs = graphs.capture(self.model, self.backend, self.device, config) if self.graph_why is None else None
         if self.graph_why is not None and self.device.type == "cuda":
             log.info("decode steps run eagerly: %s", self.graph_why)
@@ -148,7 +132,8 @@ class ModelRunner:
         free = mem.free()
         prefill, decode = graphs.profile_rows(self.config, self.block_size)
         self.num_blocks = max(sum(len(b) for b, _, _ in r) for r in (prefill, decode))
-        self._alloc_kv(self.model, quiet=True)
+        kv_memory.alloc_kv(self.model, self.config, self.num_blocks, self.dtype, self.backend.name, self.device,
+                            quiet=True)
         sample = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
         run = lambda rows: forward(self.model, self.backend, self.device, self.block_size, rows)
         # pipeline stages would wait on each other, a hybrid's forward on its state pool: not measured
@@ -163,23 +148,6 @@ class ModelRunner:
                  "KV cache %.2f GiB (--kv-fraction %.2f)", free / (1 << 30), act / (1 << 30), graph / (1 << 30),
                  budget / (1 << 30), self.config.kv_fraction)
         return max(budget // per_block, 1)
-
-    def _alloc_kv(self, model, quiet: bool = False):
-        dtype = kv_quant.storage_dtype(self.config.kvcache_dtype, self.dtype)
-        kv_quant.check_backend(self.config.kvcache_dtype, dtype, self.dtype, self.backend.name)
-        layers = model.attention_layers()
-        a = layers[0]
-        shape = (self.num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
-        for layer in layers:
-            layer.k_cache = kv_quant.alloc(shape, dtype, self.device)
-            # kv_shared (MLA): the one cached latent is read as both K and V
-            shared = getattr(layer, "kv_shared", False)
-            layer.v_cache = layer.k_cache if shared else kv_quant.alloc(shape, dtype, self.device)
-        n = sum(1 if getattr(ly, "kv_shared", False) else 2 for ly in layers)
-        if not quiet:
-            log.info("KV cache: %d blocks of %d tokens, %d tokens in all, %s (%.2f GiB)", self.num_blocks,
-                     self.block_size, self.num_blocks * self.block_size, str(dtype).removeprefix("torch."),
-                     n * np.prod(shape[:-1]) * kv_quant.head_bytes(a.head_dim, dtype) / (1 << 30))
 
     @torch.inference_mode()
     def _calibrate_key_shift(self, info: ModelInfo) -> None:
@@ -251,14 +219,9 @@ class ModelRunner:
             return True
         if not self.early_launch or len(self._inflight) > 1 or plan is None:
             return False
-        prev = self._inflight[0]
-        if (prev.error is not None or prev.drafts or prev.plan.mask_seq_ids or plan.mask_seq_ids or plan.state_restores
-                or any(s.num_spec or s.draft_ids for s in plan.scheduled)):
-            return False
-        params = {ns.seq_id: ns.params for ns in plan.new_seqs}
-        return not any(pipeline.reads_outputs(params[s.seq_id] if s.seq_id in params else self.seqs[s.seq_id].params)
-                       for s in plan.scheduled)
+        return pipeline.can_follow(self._inflight[0], plan, self.seqs)
 
+    @torch.inference_mode()
     def start(self, plan: StepPlan) -> None:
         """Launch `plan` (after those in flight): its forward and sampling are queued on the device."""
         try:
@@ -272,6 +235,7 @@ class ModelRunner:
         self.early_launches += bool(self._inflight)
         self._inflight.append(step)
 
+    @torch.inference_mode()
     def finish(self) -> StepResult:
         """The oldest launched step's result, its tokens read back. A failed step clears the batch;
         a step launched after it fails with it."""
@@ -334,8 +298,8 @@ class ModelRunner:
         for s in plan.scheduled:
             self.seqs[s.seq_id].num_computed += s.num_tokens
         last = tp.last_stage()  # pipeline parallel: only the last stage has the final hidden states
-        step.prompt_lps = self._prompt_logprobs(hidden, scored) if scored and last else []
-        step.embeddings = self._pool(hidden, pooled) if pooled and last else []
+        step.prompt_lps = outputs.prompt_logprobs(self.model, hidden, scored, self.seqs) if scored and last else []
+        step.embeddings = outputs.pooled_embeddings(hidden, pooled, self.seqs, self.config.pooling) if pooled and last else []
         step.hidden, step.first_row, step.drafts, step.sample_seqs = hidden, first_row, drafts, sample_seqs
         if not sample_seqs:
             return step
@@ -435,7 +399,7 @@ class ModelRunner:
             new.update(zip(specs, toks))
             if lp is not None:
                 per_token = [sid for sid, t in zip(specs, toks) for _ in t]
-                entries = iter(self._logprobs(per_token, [x for t in toks for x in t], lp))
+                entries = iter(outputs.token_logprobs(per_token, lp, self.seqs))
                 lps.update((sid, [next(entries) for _ in t]) for sid, t in zip(specs, toks))
             step.spec = (new, lps)
 
@@ -447,27 +411,8 @@ class ModelRunner:
             tokens = step.tokens.tolist()
             new.update((sid, [t]) for sid, t in zip(step.plain, tokens))
             if step.logprobs is not None:
-                lps.update((sid, [e]) for sid, e in zip(step.plain, self._logprobs(step.plain, tokens, step.logprobs,
-                                                                                    step.seqs)))
+                lps.update(zip(step.plain, ([e] for e in outputs.token_logprobs(step.plain, step.logprobs, step.seqs))))
         return new, lps
-
-    def _pool(self, hidden, pooled) -> list[tuple[int, bytes]]:
-        """Embedding sequences: --pooling over their prompt's final hidden states, which come in as
-        many steps as the prefill has chunks (mean keeps a running float32 sum in the WorkerSeq; a
-        recompute makes a new one). A prompt that ends this step gives its vector, L2-normalised."""
-        out = []
-        for sid, row, start, end in pooled:
-            ws = self.seqs[sid]
-            if self.config.pooling == "mean":  # the rows of this chunk's prompt tokens
-                part = hidden[row:row + end - start].float().sum(0)
-                ws.pool_sum = part if ws.pool_sum is None else ws.pool_sum + part
-            if end < ws.num_prompt:
-                continue
-            mean = self.config.pooling == "mean"
-            vec = ws.pool_sum / ws.num_prompt if mean else hidden[row + end - start - 1].float()
-            vec = torch.nn.functional.normalize(vec, dim=0)
-            out.append((sid, vec.cpu().numpy().astype("<f4").tobytes()))
-        return out
 
     @torch.inference_mode()
     def log_probs(self, ids: list[int], chunk: int = 512) -> torch.Tensor:
@@ -483,39 +428,3 @@ class ModelRunner:
             hidden = forward(self.model, self.backend, dev, bs, [(blocks, start, ids[start:start + chunk])])
             out += [torch.log_softmax(self.model.compute_logits(h).float(), dim=-1) for h in hidden.split(128)]
         return torch.cat(out)
-
-    def _prompt_logprobs(self, hidden, scored):
-        """Logprobs of prompt tokens under the model's raw distribution (for echo / scoring):
-        the row of position p scores the token at p + 1."""
-        out = []
-        for sid, row, first, count in scored:
-            ws = self.seqs[sid]
-            lp = torch.log_softmax(self.model.compute_logits(hidden[row:row + count]).float(), dim=-1)
-            target = torch.tensor(ws.tokens[first:first + count], device=lp.device)
-            chosen_t = lp.gather(1, target[:, None])
-            ranks = (lp >= chosen_t).sum(-1).tolist()  # vLLM's rank: 1 + how many are more likely (ties count)
-            chosen = chosen_t[:, 0].tolist()
-            k = ws.params.prompt_logprobs
-            if k:
-                vals, idx = lp.topk(k, dim=-1)
-                alts = [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
-            else:
-                alts = [[] for _ in chosen]
-            out.append((sid, first, list(zip(chosen, alts, ranks))))
-        return out
-
-    def _logprobs(self, seq_ids, tokens, lps, seqs=None):
-        """`seqs`: where to find the sequences (a finished step's own: a later one may have dropped them)."""
-        if lps is None:
-            return []
-        seqs = self.seqs if seqs is None else seqs
-        chosen, top_ids, top_vals = (x.tolist() if x is not None else None for x in lps)
-        out = []
-        for i, sid in enumerate(seq_ids):
-            k = seqs[sid].params.logprobs
-            if k is None:
-                out.append(None)
-            else:
-                alts = list(zip(top_ids[i][:k], top_vals[i][:k])) if k and top_ids else []
-                out.append((chosen[i], alts))
-        return out

@@ -89,6 +89,17 @@ class Launched:
     embeddings: list = field(default_factory=list)
 
 
+def can_follow(prev: Launched, plan, seqs: dict) -> bool:
+    """Whether `plan` can launch while `prev` is in flight: nothing in either reads a token on the
+    host that `prev` has not given back yet."""
+    if (prev.error is not None or prev.drafts or prev.plan.mask_seq_ids or plan.mask_seq_ids or plan.state_restores
+            or any(s.num_spec or s.draft_ids for s in plan.scheduled)):
+        return False
+    params = {ns.seq_id: ns.params for ns in plan.new_seqs}
+    return not any(reads_outputs(params[s.seq_id] if s.seq_id in params else seqs[s.seq_id].params)
+                   for s in plan.scheduled)
+
+
 def reads_outputs(params) -> bool:
     """Whether sampling a sequence reads its output tokens' values (not only their count)."""
     return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0

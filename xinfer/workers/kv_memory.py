@@ -1,0 +1,51 @@
+"""The KV cache's size in bytes and its allocation, one pair of tensors per attention layer."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from ops import kv_quant
+from xinfer import hybrid
+from xinfer.config import EngineConfig
+
+log = logging.getLogger("xinfer.worker")
+
+
+def kv_bytes_per_token(cfg: dict, dtype: torch.dtype | str) -> int:
+    """`dtype`: the cache's storage dtype or turbo format (kv_quant.storage_dtype); scales included."""
+    if cfg.get("kv_lora_rank"):  # MLA: one latent and rotary key per token stand for both K and V
+        return cfg["num_hidden_layers"] * kv_quant.head_bytes(cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"], dtype)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    return 2 * hybrid.num_kv_layers(cfg) * kv_heads * kv_quant.head_bytes(head_dim, dtype)
+
+
+def kv_block_bytes(config: EngineConfig, cfg: dict, dtype: torch.dtype, draft_cfg: dict | None = None) -> int:
+    """`dtype`: the model's (--kvcache-dtype may store K/V in another); `draft_cfg`: a draft model's
+    config, whose KV lives in the same blocks."""
+    dtype = kv_quant.storage_dtype(config.kvcache_dtype, dtype)
+    per_token = kv_bytes_per_token(cfg, dtype) + (kv_bytes_per_token(draft_cfg, dtype) if draft_cfg else 0)
+    return per_token * config.block_size
+
+
+def alloc_kv(model, config: EngineConfig, num_blocks: int, dtype: torch.dtype, backend: str, device: torch.device,
+             quiet: bool = False) -> None:
+    """Each attention layer's K and V caches [num_blocks, block_size, kv heads, head dim] in
+    --kvcache-dtype's storage dtype (`dtype`: the model's)."""
+    model_dtype, dtype = dtype, kv_quant.storage_dtype(config.kvcache_dtype, dtype)
+    kv_quant.check_backend(config.kvcache_dtype, dtype, model_dtype, backend)
+    layers = model.attention_layers()
+    a = layers[0]
+    shape = (num_blocks, config.block_size, a.num_kv_heads, a.head_dim)
+    for layer in layers:
+        layer.k_cache = kv_quant.alloc(shape, dtype, device)
+        # kv_shared (MLA): the one cached latent is read as both K and V
+        shared = getattr(layer, "kv_shared", False)
+        layer.v_cache = layer.k_cache if shared else kv_quant.alloc(shape, dtype, device)
+    n = sum(1 if getattr(ly, "kv_shared", False) else 2 for ly in layers)
+    if not quiet:
+        log.info("KV cache: %d blocks of %d tokens, %d tokens in all, %s (%.2f GiB)", num_blocks,
+                 config.block_size, num_blocks * config.block_size, str(dtype).removeprefix("torch."),
+                 n * np.prod(shape[:-1]) * kv_quant.head_bytes(a.head_dim, dtype) / (1 << 30))
