@@ -176,9 +176,8 @@ def sample(logits: torch.Tensor, b: SamplingBatch):
         temp = b.temperature.clamp(min=1e-5)[:, None]
         probs = _filter(torch.softmax(logits / temp, dim=-1), b)
         tokens = draw(probs, uniforms(probs.shape[0], 1, b.seeds, probs.device))
-        greedy = b.temperature == 0
-        if bool(greedy.any()):
-            tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+        # no host check of whether any row is greedy: it would wait for the device (pipeline.py)
+        tokens = torch.where(b.temperature == 0, logits.argmax(dim=-1), tokens)
     if b.num_logprobs is None:
         return tokens, None
     return tokens, logprobs_of(raw, tokens, b.num_logprobs)

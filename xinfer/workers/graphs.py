@@ -166,7 +166,7 @@ class DecodeGraphs:
             t[:b].copy_(host[name][:b], non_blocking=True)
         if self.pinned:
             self.copied[k] = torch.cuda.Event()
-            self.copied[k].record()
+            self.copied[k].record(torch.cuda.current_stream(self.dev["ids"].device))
         if fix is not None:
             fix.apply(self.dev["ids"])
         replay, out = self.graphs[b]

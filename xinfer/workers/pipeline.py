@@ -32,7 +32,7 @@ class DeviceTokens:
             self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             self.host.copy_(tokens, non_blocking=True)
             self.event = torch.cuda.Event()
-            self.event.record()
+            self.event.record(torch.cuda.current_stream(tokens.device))  # the tokens' device, not the current one
         else:
             self.host = tokens
 
