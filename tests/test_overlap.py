@@ -1,6 +1,9 @@
 """Overlap scheduling: the next step is planned and sent before the one in flight is read back
 (EngineCore.step, Scheduler.schedule(ahead=True)), and the tokens are those of one step at a time."""
+import pytest
+
 from xinfer import Engine, EngineConfig, SamplingParams
+from xinfer.ipc.shm_ring import RingClosed
 from xinfer.ipc.step import StepResult, pack_ids
 from tests.test_scheduler import make, seq
 
@@ -174,3 +177,68 @@ def test_served_with_overlap_streams_stops_and_aborts():
         assert got[1][1] == "stop" and "\n" not in got[1][0]
     finally:
         stop_server(proc)
+
+
+class _Plans:
+    """A plan ring's reader: `arrivals` lists, per look at the ring, the plan that has come by then (or None)."""
+
+    def __init__(self, arrivals):
+        self.arrivals = list(arrivals)
+
+    def poll(self):
+        return bool(self.arrivals) and (self.arrivals[0] is not None or self.arrivals.pop(0) is not None)
+
+    def read(self, timeout=None):
+        while self.arrivals:
+            plan = self.arrivals.pop(0)
+            if plan is not None:
+                return plan
+            if timeout is not None:
+                raise TimeoutError
+        if timeout is not None:
+            raise TimeoutError
+        raise RingClosed("no more plans")  # the worker waits with nothing to do: the test is over
+
+
+class _Runner:
+    """The worker loop's view of a ModelRunner; the device stays busy for `busy_looks` looks after each launch."""
+
+    def __init__(self, busy_looks):
+        self.busy_looks, self.looks, self.flight, self.events = busy_looks, 0, [], []
+
+    def in_flight(self):
+        return len(self.flight)
+
+    def busy(self):
+        self.looks -= 1
+        return bool(self.flight) and self.looks >= 0
+
+    def ready(self, plan):
+        return len(self.flight) < 2
+
+    def start(self, plan):
+        self.events.append(("start", plan))
+        self.flight.append(plan)
+        self.looks = self.busy_looks
+
+    def finish(self):
+        self.events.append(("finish", self.flight[0]))
+        return StepResult(self.flight.pop(0), [], b"")
+
+
+def test_the_worker_waits_for_the_next_plan_while_the_device_is_busy():
+    """Serving's shape: the scheduler sends step 2 a little after step 1. While step 1 still runs on
+    the device the worker waits for it and launches it behind step 1, rather than blocking on step 1's
+    tokens first; with the device done it finishes at once."""
+    from xinfer.workers.worker import serve_plans
+
+    class Codec:
+        decode = encode = staticmethod(lambda x: x)
+    sent = []
+    for busy_looks, order in ((5, ["start 1", "start 2", "finish 1", "finish 2"]),
+                              (0, ["start 1", "finish 1", "start 2", "finish 2"])):
+        runner = _Runner(busy_looks)
+        with pytest.raises(RingClosed):
+            serve_plans(_Plans([1, None, None, 2]), runner, Codec, sent.append, Codec)
+        assert [f"{k} {p}" for k, p in runner.events] == order
+    assert [r.step_id for r in sent] == [1, 2, 1, 2]

@@ -3,14 +3,19 @@ from __future__ import annotations
 
 import logging
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
-from ops import kv_quant
-from xinfer import hybrid
+from ops import kv_quant, turbo_quant
+from xinfer import hybrid, spec
 from xinfer.config import EngineConfig
+from xinfer.workers.batch import forward
 
 log = logging.getLogger("xinfer.worker")
+
+CALIBRATION = Path(__file__).resolve().parent.parent / "configs" / "calibration.txt"
 
 
 def kv_bytes_per_token(cfg: dict, dtype: torch.dtype | str) -> int:
@@ -49,3 +54,23 @@ def alloc_kv(model, config: EngineConfig, num_blocks: int, dtype: torch.dtype, b
         log.info("KV cache: %d blocks of %d tokens, %d tokens in all, %s (%.2f GiB)", num_blocks,
                  config.block_size, num_blocks * config.block_size, str(dtype).removeprefix("torch."),
                  n * np.prod(shape[:-1]) * kv_quant.head_bytes(a.head_dim, dtype) / (1 << 30))
+
+
+@torch.inference_mode()
+def calibrate_key_shift(runner, info) -> None:
+    """turbo caches store keys less their mean (ops/turbo_quant.py): measured once on a fixed text,
+    512 tokens prefilled as 64-token sequences into the empty cache (free again afterwards), so the
+    shift does not depend on the cache's size (unless it holds under 64 tokens)."""
+    window = min(64, runner.num_blocks * runner.block_size, runner.config.max_model_len or 64)
+    if info.tokenizer is not None:
+        ids = info.tokenizer.encode(CALIBRATION.read_text())[:512]
+    else:  # a folder without a tokenizer: a fixed spread of ids
+        ids = [(7919 * i + 13) % runner.vocab_size for i in range(512)]
+    blocks = list(range(spec.blocks_needed(window, runner.block_size)))
+
+    def run():
+        for start in range(0, len(ids), window):
+            forward(runner.model, runner.backend, runner.device, runner.block_size,
+                    [(blocks, 0, ids[start:start + window])])
+    layers = turbo_quant.calibrate_key_shift(runner.model.attention_layers(), run)
+    log.info("turbo KV cache: key shift calibrated for %d layers on %d tokens", layers, len(ids))

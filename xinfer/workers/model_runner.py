@@ -5,12 +5,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from ops import cpu_isa, cpu_kernels, turbo_quant
+from ops import cpu_isa, cpu_kernels
 from ops.attention import get_backend
 from ops.quant import MAX_ROWS, QuantWeight
 from ops.sampling import on_device, sample
@@ -30,7 +29,6 @@ from xinfer.workers.mm import VisionInputs
 from xinfer.workers.mtp import MtpDrafter
 
 log = logging.getLogger("xinfer.worker")
-CALIBRATION = Path(__file__).resolve().parent.parent / "configs" / "calibration.txt"
 
 
 class ModelRunner:
@@ -91,7 +89,7 @@ class ModelRunner:
         self.early_launch = (config.overlap_schedule == "on" and (self.device.type == "cuda" or envs.cpu_pipeline())
                              and tp.world_size() == 1 and self.drafter is None and not hasattr(self.model, "encode_images"))
         if config.kvcache_dtype.startswith("turbo"):
-            self._calibrate_key_shift(info)
+            kv_memory.calibrate_key_shift(self, info)
         # a vision-language model: images' positions, encoder runs and embeddings (xinfer/workers/mm.py)
         has_vision = hasattr(self.model, "encode_images")
         self.vision = VisionInputs(self.model, self.device) if has_vision else None
@@ -149,24 +147,6 @@ class ModelRunner:
                  budget / (1 << 30), self.config.kv_fraction)
         return max(budget // per_block, 1)
 
-    @torch.inference_mode()
-    def _calibrate_key_shift(self, info: ModelInfo) -> None:
-        """turbo caches store keys less their mean (ops/turbo_quant.py): measured once on a fixed text,
-        512 tokens prefilled as 64-token sequences into the empty cache (free again afterwards), so the
-        shift does not depend on the cache's size (unless it holds under 64 tokens)."""
-        window = min(64, self.num_blocks * self.block_size, self.config.max_model_len or 64)
-        if info.tokenizer is not None:
-            ids = info.tokenizer.encode(CALIBRATION.read_text())[:512]
-        else:  # a folder without a tokenizer: a fixed spread of ids
-            ids = [(7919 * i + 13) % self.vocab_size for i in range(512)]
-        blocks = list(range(spec.blocks_needed(window, self.block_size)))
-
-        def run():
-            for start in range(0, len(ids), window):
-                forward(self.model, self.backend, self.device, self.block_size, [(blocks, 0, ids[start:start + window])])
-        layers = turbo_quant.calibrate_key_shift(self.model.attention_layers(), run)
-        log.info("turbo KV cache: key shift calibrated for %d layers on %d tokens", layers, len(ids))
-
     def restart(self) -> None:
         self.seqs.clear()  # in-process: nothing died; the recompute refills the batch
         self._sent.clear()
@@ -211,6 +191,10 @@ class ModelRunner:
 
     def in_flight(self) -> int:
         return len(self._inflight)
+
+    def busy(self) -> bool:
+        """Whether the device still runs the oldest step in flight (finishing it would wait)."""
+        return bool(self._inflight) and self._inflight[0].tokens is not None and not self._inflight[0].tokens.done()
 
     def ready(self, plan: StepPlan | None) -> bool:
         """Whether `plan` can launch now: nothing in flight, or one step whose tokens `plan` can

@@ -36,6 +36,10 @@ class DeviceTokens:
         else:
             self.host = tokens
 
+    def done(self) -> bool:
+        """Whether the device has finished the step that sampled them (without waiting)."""
+        return self.event is None or self.event.query()
+
     def tolist(self) -> list[int]:
         if self.event is not None:
             self.event.synchronize()

@@ -57,21 +57,39 @@ def _worker_main(config, num_blocks, plan_ring, result_ring, plan_side, result_s
     process.started(f"xinfer::worker-{rank}")
     if results is not None:
         results.write(enc.encode(WorkerReady(os.getpid(), runner.num_blocks)))
+    try:
+        serve_plans(plans, runner, dec, results.write if results is not None else None, enc)
+    except (PeerDied, RingClosed):
+        log.info("scheduler gone or shutting down; exiting")
+        # Nothing to clean up here (the scheduler owns the rings), and tearing down an
+        # interpreter with torch loaded takes seconds: leave at once.
+        logging.shutdown()
+        os._exit(0)
+
+
+PLAN_WAIT = 2e-4  # seconds between looks at the device while waiting for the next plan
+
+
+def serve_plans(plans: RingReader, runner: ModelRunner, dec: Codec, write, enc) -> None:
+    """The worker's loop: read plans, launch them, send back results (rank 0's `write`), until
+    the ring closes. The next step is launched before the last one's tokens are read where it can
+    be (xinfer/workers/pipeline.py), so the device runs one while the host finishes the other."""
     queue: collections.deque = collections.deque()  # plans read, not yet launched
     while True:
-        try:  # wait for a plan only with nothing to do; take whatever else has come meanwhile
-            if not queue and not runner.in_flight():
-                queue.append(dec.decode(plans.read()))
-            while plans.poll():
-                queue.append(dec.decode(plans.read()))
-        except (PeerDied, RingClosed):
-            log.info("scheduler gone or shutting down; exiting")
-            # Nothing to clean up here (the scheduler owns the rings), and tearing down an
-            # interpreter with torch loaded takes seconds: leave at once.
-            logging.shutdown()
-            os._exit(0)
-        # the next step is launched before the last one's tokens are read where it can be
-        # (xinfer/workers/pipeline.py), so the device runs one while the host finishes the other
+        # wait for a plan only with nothing to do; take whatever else has come meanwhile
+        if not queue and not runner.in_flight():
+            queue.append(dec.decode(plans.read()))
+        while plans.poll():
+            queue.append(dec.decode(plans.read()))
+        if not queue and runner.busy():
+            # The device still runs the step in flight and the scheduler is planning the next:
+            # finishing now would block on the device and launch the next step only after it.
+            while runner.busy():
+                try:
+                    queue.append(dec.decode(plans.read(timeout=PLAN_WAIT)))
+                    break
+                except TimeoutError:
+                    pass
         if queue and queue[0] is not None and runner.ready(queue[0]):
             runner.start(queue.popleft())
             continue  # and look for a plan that came meanwhile before reading this one's tokens
@@ -82,8 +100,8 @@ def _worker_main(config, num_blocks, plan_ring, result_ring, plan_side, result_s
             # worker's state by recompute instead of waiting for a result that never comes.
             queue.popleft()
             result = StepResult(-1, [], b"")
-        if results is not None:
-            results.write(enc.encode(result))
+        if write is not None:
+            write(enc.encode(result))
 
 
 _fork_env: dict | None = None  # the environment the fork server started in
