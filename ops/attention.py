@@ -98,7 +98,8 @@ class TorchBackend(AttentionBackend):
     """Runs anywhere. Decodes are batched into one padded SDPA call; each prefill chunk
     runs alone with an explicit causal (and sliding-window) mask; both gather (and dequantize, see
     ops/kv_quant.py) only the cache rows they read. On a CPU where the C kernels build
-    (ops/cpu_kernels.py), float32 decodes read the paged cache in place instead, in any of its formats."""
+    (ops/cpu_kernels.py), float32 decodes and prefills read the paged cache in place instead, in any of
+    its formats (prefills with bidirectional spans, a vision model's images, stay on SDPA)."""
 
     name = "torch"
 
@@ -119,7 +120,15 @@ class TorchBackend(AttentionBackend):
         bs = meta.block_size
         short = [i for i in range(len(meta.query_lens)) if meta.is_short(i)]
         pre = sorted(set(range(len(meta.query_lens))) - set(short))
-        plan = {"prefill": pre, "decode": None, "decode_c": None}
+        plan = {"prefill": pre, "decode": None, "decode_c": None, "prefill_c": None}
+        c_ok = self._c is not None and device.type == "cpu" and dtype == torch.float32 and c_kind is not None \
+            and self._attends(head_dim)
+        if pre and c_ok and not any(meta.bidirectional[i] for i in pre if meta.bidirectional):
+            ints = lambda xs: torch.tensor(xs, dtype=torch.int32)
+            plan["prefill_c"] = (meta.block_tables[torch.tensor(pre, device=device)].to(torch.int32).contiguous(),
+                                 ints([meta.query_starts[i] for i in pre]), ints([meta.query_lens[i] for i in pre]),
+                                 ints([meta.kv_lens[i] for i in pre]))
+            plan["prefill"] = []
         dec = [i for i in short for _ in range(meta.query_lens[i])]
         if dec:
             dec_t = torch.tensor(dec, device=device)
@@ -127,8 +136,7 @@ class TorchBackend(AttentionBackend):
             rows = torch.tensor(rows_l, device=device)
             lens_l = [meta.kv_lens[i] - meta.query_lens[i] + j + 1 for i in short for j in range(meta.query_lens[i])]
             lens_t = torch.tensor(lens_l, dtype=torch.int32, device=device)
-        if dec and self._c is not None and device.type == "cpu" and dtype == torch.float32 \
-                and c_kind is not None and self._attends(head_dim):
+        if dec and c_ok:
             plan["decode_c"] = (rows, not pre, meta.block_tables[dec_t].contiguous(), lens_t)
         elif dec:
             lens = lens_t.long()
@@ -146,16 +154,25 @@ class TorchBackend(AttentionBackend):
         return _in_frame(q, k_cache, lambda q: self._forward(q, k_cache, v_cache, meta, scale, sliding_window, softcap))
 
     def _forward(self, q, k_cache, v_cache, meta, scale, sliding_window, softcap):
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # rows Hq * D apart, as the C kernels write
         nb, bs, hkv, d = *k_cache.shape[:3], q.shape[-1]  # a turbo cache's last dimension is its packed bytes
         plan = self._plan(meta, q.device, q.dtype, kv_quant.c_kind(k_cache), d)
         starts = meta.query_starts
+        ks, vs = kv_quant.scales(k_cache), kv_quant.scales(v_cache)
+        bits, _, levels = getattr(k_cache, "kv_turbo", (0, None, None))
+        if plan["prefill_c"] is not None:
+            tables, q_starts, q_lens, kv_lens = plan["prefill_c"]
+            q = q.contiguous()
+            self._c.xinfer_paged_prefill(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                         None if ks is None else ks.data_ptr(), None if vs is None else vs.data_ptr(),
+                                         kv_quant.c_kind(k_cache), tables.data_ptr(), tables.shape[1],
+                                         q_starts.data_ptr(), q_lens.data_ptr(), kv_lens.data_ptr(), out.data_ptr(),
+                                         len(q_lens), q.shape[1], hkv, d, bs, scale, sliding_window or 0,
+                                         softcap or 0.0, bits, None if levels is None else levels.data_ptr())
         if plan["decode_c"] is not None:
             rows, every_row, tables, lens = plan["decode_c"]
             qd = (q if every_row else q[rows]).contiguous()
             od = torch.empty_like(qd)
-            ks, vs = kv_quant.scales(k_cache), kv_quant.scales(v_cache)
-            bits, _, levels = getattr(k_cache, "kv_turbo", (0, None, None))
             self._c.xinfer_paged_decode(qd.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                         None if ks is None else ks.data_ptr(), None if vs is None else vs.data_ptr(),
                                         kv_quant.c_kind(k_cache), tables.data_ptr(), tables.shape[1],

@@ -69,6 +69,8 @@ def lib():
     so.xinfer_q8_mm.argtypes = [p, p, p, i, p, p, i, i, i, i, p, p, p, p]
     so.xinfer_panels_i16.argtypes = [p, i, i, i, p]
     so.xinfer_paged_decode.argtypes = [p, p, p, p, p, i, p, i, p, p, i, i, i, i, i, f, i, f, i, p]
+    so.xinfer_paged_prefill.argtypes = [p, p, p, p, p, i, p, i, p, p, p, p, i, i, i, i, i, f, i, f, i, p]
+    so.xinfer_silu_mul.argtypes = [p, p, i, i, i]
     so.xinfer_add_rmsnorm.argtypes = [p, p, p, p, i, i, f, f]
     so.xinfer_rope.argtypes = [p, p, p, p, p, i, i, i, i, i, ctypes.c_int64, ctypes.c_int64]
     so.xinfer_decode.argtypes = [p, p, p, i, p, p, p, i, p]
@@ -118,6 +120,18 @@ def attends(head_dim: int) -> bool:
     """The C decode attention takes this head size (a multiple of its vector width)."""
     so = lib()
     return so is not None and head_dim % so.xinfer_attn_width() == 0
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up from a gate/up projection's output [T, 2 I] (float32 or bfloat16) in one pass, or
+    None where the kernels do not take it (they round a bfloat16 result once, torch twice)."""
+    so = lib()
+    if so is None or gu.device.type != "cpu" or gu.dim() != 2 or not gu.is_contiguous() \
+            or gu.dtype not in (torch.float32, torch.bfloat16) or gu.shape[1] % (2 * so.xinfer_attn_width()):
+        return None
+    out = gu.new_empty(gu.shape[0], gu.shape[1] // 2)
+    so.xinfer_silu_mul(gu.data_ptr(), out.data_ptr(), gu.shape[0], out.shape[1], gu.dtype == torch.bfloat16)
+    return out
 
 
 def available() -> bool:

@@ -171,6 +171,11 @@ def _paged_case(seed, lens, query_lens, hq=6, hkv=2, d=64, bs=4):
     return q, kc, vc, meta
 
 
+def _plain_meta(meta):
+    return AttnMetadata(**{f: getattr(meta, f) for f in (
+        "cu_seqlens_q", "seq_lens", "block_tables", "slot_mapping", "query_lens", "kv_lens", "block_size")})
+
+
 @pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 30.0)])
 def test_paged_decode_matches_gather_sdpa(window, softcap):
     fused, plain = TorchBackend(), TorchBackend()
@@ -180,11 +185,25 @@ def test_paged_decode_matches_gather_sdpa(window, softcap):
     # empty under the window)
     for lens, qlens in [([1, 7, 16, 33], [1, 1, 1, 1]), ([9, 20, 3], [1, 6, 1]), ([300], [1]), ([70], [1])]:
         q, kc, vc, meta = _paged_case(len(lens), lens, qlens)
-        want = plain.forward(q, kc, vc, AttnMetadata(**{f: getattr(meta, f) for f in (
-            "cu_seqlens_q", "seq_lens", "block_tables", "slot_mapping", "query_lens", "kv_lens", "block_size")}),
-            0.125, window, softcap)
+        want = plain.forward(q, kc, vc, _plain_meta(meta), 0.125, window, softcap)
         got = fused.forward(q, kc, vc, meta, 0.125, window, softcap)
         assert meta.cache["torch"]["decode_c"] is not None
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (7, None), (None, 30.0), (40, None)])
+@pytest.mark.parametrize("hq,hkv,d", [(6, 2, 64), (4, 4, 128), (3, 1, 64)])
+def test_paged_prefill_matches_gather_sdpa(window, softcap, hq, hkv, d):
+    """Prefill chunks read the paged cache in place (xinfer_paged_prefill): whole prompts, chunks after
+    earlier context, lengths off the vector width and past a span (128 keys), beside decode rows."""
+    fused, plain = TorchBackend(), TorchBackend()
+    plain._c = None
+    for lens, qlens in [([37], [37]), ([300, 5, 21], [300, 1, 21]), ([150, 80], [129, 17]),
+                        ([1, 40, 33, 19], [1, 40, 30, 19])]:
+        q, kc, vc, meta = _paged_case(len(lens), lens, qlens, hq=hq, hkv=hkv, d=d)
+        want = plain.forward(q, kc, vc, _plain_meta(meta), 0.125, window, softcap)
+        got = fused.forward(q, kc, vc, meta, 0.125, window, softcap)
+        assert meta.cache["torch"]["prefill_c"] is not None
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ops import triton_fused
+from ops import cpu_kernels, triton_fused
 from ops.attention import attend
 from ops.linear import linear, pack
 from ops.norm import RMSNorm
@@ -140,9 +140,14 @@ class GatedMLP(nn.Module):
         if self.act_name in ("silu", "gelu_pytorch_tanh") and triton_fused.enabled(x):
             return self.down_proj(triton_fused.gated_act(self.gate_up_proj(x), self.act_name != "silu"))
         # --cpu-matmul bfloat16, batches past the blocks: gate and up stay in bfloat16 through the
-        # activation into the down projection, which would round its input to bfloat16 anyway
-        gate, up = self.gate_up_proj(x, out_bf16=self.down_proj.fast is not None).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        # activation into the down projection, which would round its input to bfloat16 anyway; on a
+        # CPU, silu and the product run as one pass over them (ops/cpu_kernels.c)
+        gu = self.gate_up_proj(x, out_bf16=self.down_proj.fast is not None)
+        h = cpu_kernels.silu_mul(gu) if self.act_name == "silu" else None
+        if h is None:
+            gate, up = gu.chunk(2, dim=-1)
+            h = self.act(gate) * up
+        return self.down_proj(h)
 
 
 ACTIVATIONS = {
