@@ -1366,8 +1366,8 @@ void xinfer_paged_decode(const float *q, void *kc, void *vc, float *k_scale, flo
 }
 
 // Prefill attention straight from the paged cache: each query row of a chunk over the positions up
-// to its own (and within the window). One work item is (sequence, query head, tile of VW query
-// rows): the rows are the lanes of a vector, so scores and the online softmax run lane-wise (no
+// to its own (and within the window). One work item is (sequence, KV head, tile of VW query rows),
+// for the KV head's query heads: the rows are the lanes of a vector, so scores and the online softmax run lane-wise (no
 // horizontal sums) and each K or V value is broadcast from its row to the VW rows at once. Keys come
 // a span at a time: its scores (8 keys a pass, each transposed query value loaded once for the 8),
 // one softmax update, then P.V in tiles of PF_DT output values held in registers over the span.
@@ -1402,7 +1402,8 @@ static void span_rows(const xq_kv *c, const int32_t *tab, int c0, int n, int bs,
         }
         float *dst = buf + (size_t)j * D;
         const float *src = kv_row(c, r, D, dst), s = kv_scale(c, r);
-        for (int i = 0; i < D; i++) dst[i] = src[i] * s;
+        if (s != 1.f || src != dst)
+            for (int i = 0; i < D; i++) dst[i] = src[i] * s;
         rows[j] = dst;
     }
 }
@@ -1437,60 +1438,72 @@ static inline void pf_pv(float *ot, const float *p, const float *const *v, int n
     }
 }
 
-typedef struct {  // one thread's scratch, for D-float heads
-    float *qt, *ot, *s, *kbuf, *vbuf;
+typedef struct {  // one thread's scratch, for G heads of D floats
+    float *qt, *ot, *m, *l, *s, *kbuf, *vbuf;
     const float **krows, **vrows;
 } pf_scratch;
 
-// nr <= VW query rows of one head, the first at position p0 (the rest follow), against KV head h;
-// q and out rows `ld` floats apart, already offset to the head.
+// nr <= VW query rows, the first at position p0 (the rest follow), of the G query heads of KV head h:
+// q and out rows `ld` floats apart, offset to the first of those heads. Each span's K and V rows are
+// found (and converted, for a cache not in float32) once for the G heads.
 static void pf_tile(const float *q, float *out, size_t ld, int nr, int p0, const xq_kv *kc, const xq_kv *vc,
-                    const int32_t *tab, int h, int Hkv, int D, int bs, float scale, int window, float softcap,
+                    const int32_t *tab, int h, int G, int Hkv, int D, int bs, float scale, int window, float softcap,
                     pf_scratch *w) {
-    for (int d = 0; d < D; d++)
-        for (int r = 0; r < VW; r++) w->qt[(size_t)d * VW + r] = r < nr ? q[(size_t)r * ld + d] * scale : 0.f;
-    memset(w->ot, 0, sizeof(float) * (size_t)D * VW);
-    vf m = v_set1(-FLT_MAX), l = v_zero();
+    const size_t hv = (size_t)D * VW;  // one head's transposed queries or outputs
+    for (int g = 0; g < G; g++) {
+        float *qt = w->qt + g * hv;
+        for (int d = 0; d < D; d++)
+            for (int r = 0; r < VW; r++) qt[(size_t)d * VW + r] = r < nr ? q[(size_t)r * ld + (size_t)g * D + d] * scale : 0.f;
+        v_store(w->m + (size_t)g * VW, v_set1(-FLT_MAX));
+        v_store(w->l + (size_t)g * VW, v_zero());
+    }
+    memset(w->ot, 0, sizeof(float) * G * hv);
     const int last = p0 + nr - 1, lo = window > 0 && p0 - window + 1 > 0 ? p0 - window + 1 : 0;
     for (int c0 = lo; c0 <= last; c0 += SPAN) {
         const int n = last + 1 - c0 < SPAN ? last + 1 - c0 : SPAN;
         span_rows(kc, tab, c0, n, bs, Hkv, h, D, w->kbuf, w->krows);
         span_rows(vc, tab, c0, n, bs, Hkv, h, D, w->vbuf, w->vrows);
-        int j = 0;
-        for (; j + 8 <= n; j += 8) pf_qk8(w->qt, w->krows + j, w->s + (size_t)j * VW, D);
-        for (; j < n; j++) pf_qk1(w->qt, w->krows + j, w->s + (size_t)j * VW, D);
         // key t is seen by lanes r with t <= p0 + r (causal) and t > p0 + r - window
         const int masked = c0 + n - 1 > p0 || (window > 0 && c0 <= last - window);
-        vf mx = m;
-        for (j = 0; j < n; j++) {
-            vf s = v_load(w->s + (size_t)j * VW);
-            if (softcap > 0.f) {
-                float t[VW];
-                v_store(t, s);
-                for (int r = 0; r < VW; r++) t[r] = softcap * tanhf(t[r] / softcap);
-                s = v_load(t);
+        for (int g = 0; g < G; g++) {
+            float *s = w->s, *ot = w->ot + g * hv;
+            int j = 0;
+            for (; j + 8 <= n; j += 8) pf_qk8(w->qt + g * hv, w->krows + j, s + (size_t)j * VW, D);
+            for (; j < n; j++) pf_qk1(w->qt + g * hv, w->krows + j, s + (size_t)j * VW, D);
+            const vf m = v_load(w->m + (size_t)g * VW);
+            vf mx = m;
+            for (j = 0; j < n; j++) {
+                vf x = v_load(s + (size_t)j * VW);
+                if (softcap > 0.f) {
+                    float t[VW];
+                    v_store(t, x);
+                    for (int r = 0; r < VW; r++) t[r] = softcap * tanhf(t[r] / softcap);
+                    x = v_load(t);
+                }
+                if (masked) x = v_lanes(x, c0 + j - p0, window > 0 ? c0 + j - p0 + window : VW, -INFINITY);
+                v_store(s + (size_t)j * VW, x);
+                mx = v_max(mx, x);
             }
-            if (masked) s = v_lanes(s, c0 + j - p0, window > 0 ? c0 + j - p0 + window : VW, -INFINITY);
-            v_store(w->s + (size_t)j * VW, s);
-            mx = v_max(mx, s);
+            const vf alpha = v_exp(v_sub(m, mx));
+            vf tot = v_zero();
+            for (j = 0; j < n; j++) {
+                vf e = v_exp(v_sub(v_load(s + (size_t)j * VW), mx));
+                if (masked) e = v_lanes(e, c0 + j - p0, window > 0 ? c0 + j - p0 + window : VW, 0.f);  // v_exp's floor
+                v_store(s + (size_t)j * VW, e);
+                tot = v_add(tot, e);
+            }
+            v_store(w->l + (size_t)g * VW, v_add(v_mul(v_load(w->l + (size_t)g * VW), alpha), tot));
+            v_store(w->m + (size_t)g * VW, mx);
+            for (int d = 0; d < D; d++) v_store(ot + (size_t)d * VW, v_mul(v_load(ot + (size_t)d * VW), alpha));
+            pf_pv(ot, s, w->vrows, n, D);
         }
-        const vf alpha = v_exp(v_sub(m, mx));
-        vf tot = v_zero();
-        for (j = 0; j < n; j++) {
-            vf e = v_exp(v_sub(v_load(w->s + (size_t)j * VW), mx));
-            if (masked) e = v_lanes(e, c0 + j - p0, window > 0 ? c0 + j - p0 + window : VW, 0.f);  // v_exp's floor
-            v_store(w->s + (size_t)j * VW, e);
-            tot = v_add(tot, e);
-        }
-        l = v_add(v_mul(l, alpha), tot), m = mx;
-        for (int d = 0; d < D; d++) v_store(w->ot + (size_t)d * VW, v_mul(v_load(w->ot + (size_t)d * VW), alpha));
-        pf_pv(w->ot, w->s, w->vrows, n, D);
     }
-    float inv[VW];
-    v_store(inv, l);
-    for (int r = 0; r < nr; r++) {
-        const float s = inv[r] > 0.f ? 1.f / inv[r] : 0.f;
-        for (int d = 0; d < D; d++) out[(size_t)r * ld + d] = w->ot[(size_t)d * VW + r] * s;
+    for (int g = 0; g < G; g++) {
+        const float *ot = w->ot + g * hv, *l = w->l + (size_t)g * VW;
+        for (int r = 0; r < nr; r++) {
+            const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+            for (int d = 0; d < D; d++) out[(size_t)r * ld + (size_t)g * D + d] = ot[(size_t)d * VW + r] * inv;
+        }
     }
 }
 
@@ -1503,25 +1516,27 @@ void xinfer_paged_prefill(const float *q, void *kc, void *vc, float *k_scale, fl
                           int window, float softcap, int bits, const float *levels) {
     const xq_kv k = {kc, k_scale, kind, bits, levels, NULL, NULL, NULL};
     const xq_kv v = {vc, v_scale, kind, bits, levels, NULL, NULL, NULL};
+    const int G = Hq / Hkv;
     int items = 0;
-    for (int b = 0; b < B; b++) items += (q_lens[b] + VW - 1) / VW * Hq;
+    for (int b = 0; b < B; b++) items += (q_lens[b] + VW - 1) / VW * Hkv;
     const size_t ld = (size_t)Hq * D;
 #pragma omp parallel
     {
         pf_scratch w;
-        float *mem = malloc(sizeof(float) * ((size_t)3 * D * VW + (size_t)SPAN * VW + (size_t)2 * SPAN * D));
+        float *mem = malloc(sizeof(float) * ((size_t)G * (2 * D + 2) * VW + (size_t)SPAN * VW + (size_t)2 * SPAN * D));
         const float **rows = malloc(sizeof(float *) * 2 * SPAN);
-        w.qt = mem, w.ot = mem + (size_t)D * VW, w.s = mem + (size_t)2 * D * VW, w.kbuf = w.s + (size_t)SPAN * VW;
-        w.vbuf = w.kbuf + (size_t)SPAN * D, w.krows = rows, w.vrows = rows + SPAN;
+        w.qt = mem, w.ot = w.qt + (size_t)G * D * VW, w.m = w.ot + (size_t)G * D * VW, w.l = w.m + (size_t)G * VW;
+        w.s = w.l + (size_t)G * VW, w.kbuf = w.s + (size_t)SPAN * VW, w.vbuf = w.kbuf + (size_t)SPAN * D;
+        w.krows = rows, w.vrows = rows + SPAN;
 #pragma omp for schedule(dynamic, 1)
         for (int it = 0; it < items; it++) {
             int b = 0, rest = it, per;
-            while (rest >= (per = (q_lens[b] + VW - 1) / VW * Hq)) rest -= per, b++;
-            const int tiles = per / Hq, tile = tiles - 1 - rest / Hq, hq = rest % Hq;  // the longest tiles first
+            while (rest >= (per = (q_lens[b] + VW - 1) / VW * Hkv)) rest -= per, b++;
+            const int tiles = per / Hkv, tile = tiles - 1 - rest / Hkv, h = rest % Hkv;  // the longest tiles first
             const int r0 = tile * VW, nr = q_lens[b] - r0 < VW ? q_lens[b] - r0 : VW;
-            const size_t off = ((size_t)q_starts[b] + r0) * ld + (size_t)hq * D;
+            const size_t off = ((size_t)q_starts[b] + r0) * ld + (size_t)h * G * D;
             pf_tile(q + off, out + off, ld, nr, kv_lens[b] - q_lens[b] + r0, &k, &v,
-                    tables + (size_t)b * table_stride, hq / (Hq / Hkv), Hkv, D, bs, scale, window, softcap, &w);
+                    tables + (size_t)b * table_stride, h, G, Hkv, D, bs, scale, window, softcap, &w);
         }
         free(mem);
         free(rows);

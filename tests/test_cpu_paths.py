@@ -62,6 +62,10 @@ def test_defaults_are_the_fast_path_for_the_cpu_found(isa, monkeypatch):
     assert resolved() == ("bfloat16" if cpu_isa.has_bf16() else "int16" if cpu_isa.level() == "avx2" else "float32")
     assert resolved(dtype="float32") == "float32"  # asked for float32: exact
     assert resolved(cpu_matmul="bfloat16") == "bfloat16"
+    # the bfloat16 path keeps its KV cache in bfloat16 too, unless a cache format or a path was asked for
+    kv = lambda **kw: EngineConfig(device="cpu", **kw).resolve({}).kvcache_dtype
+    assert kv() == ("bf16" if cpu_isa.has_bf16() else "auto")
+    assert kv(dtype="float32") == kv(cpu_matmul="bfloat16") == "auto" and kv(kvcache_dtype="fp8") == "fp8"
     if cpu_isa.level() != "none":
         isa("avx512" if cpu_isa.LEVELS.index(cpu_isa.level()) >= 2 else "avx2")
         # no BF16 units: float32 GEMMs; AVX2 alone: 16-bit integer activations in the block kernels
@@ -96,10 +100,11 @@ def test_log_probs_are_the_engines_prompt_logprobs(text_ids):
 
 
 def test_bfloat16_path_within_the_budget(text_ids):
-    """The default path on a BF16 CPU (GGUF blocks for small batches, bfloat16 GEMMs for the rest):
+    """The default path on a BF16 CPU (GGUF blocks for small batches, bfloat16 GEMMs for the rest, a
+    bfloat16 KV cache):
     mean KLD <= 0.002, same top token >= 98% (97% over this shorter text), perplexity within 1%."""
     ref, _ = _log_probs(text_ids, dtype="float32", quantization="none", cpu_matmul="float32")
-    fast, e = _log_probs(text_ids, cpu_matmul="bfloat16")
+    fast, e = _log_probs(text_ids, cpu_matmul="bfloat16", kvcache_dtype="bf16")  # the default's cache too
     assert e.config.cpu_matmul == "bfloat16"
     r = compare(ref, fast, text_ids)
     assert r["mean_kld"] <= 0.002, r
