@@ -162,8 +162,9 @@ class TorchBackend(AttentionBackend):
         bits, _, levels = getattr(k_cache, "kv_turbo", (0, None, None))
         if plan["prefill_c"] is not None:
             tables, q_starts, q_lens, kv_lens = plan["prefill_c"]
-            q = q.contiguous()
-            self._c.xinfer_paged_prefill(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            if q.stride()[1:] != (d, 1):  # heads packed within a row, rows any distance apart
+                q = q.contiguous()
+            self._c.xinfer_paged_prefill(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                          None if ks is None else ks.data_ptr(), None if vs is None else vs.data_ptr(),
                                          kv_quant.c_kind(k_cache), tables.data_ptr(), tables.shape[1],
                                          q_starts.data_ptr(), q_lens.data_ptr(), kv_lens.data_ptr(), out.data_ptr(),

@@ -1444,16 +1444,16 @@ typedef struct {  // one thread's scratch, for G heads of D floats
 } pf_scratch;
 
 // nr <= VW query rows, the first at position p0 (the rest follow), of the G query heads of KV head h:
-// q and out rows `ld` floats apart, offset to the first of those heads. Each span's K and V rows are
+// q rows `qld` floats apart and out rows `ld`, both offset to the first of those heads. Each span's K and V rows are
 // found (and converted, for a cache not in float32) once for the G heads.
-static void pf_tile(const float *q, float *out, size_t ld, int nr, int p0, const xq_kv *kc, const xq_kv *vc,
+static void pf_tile(const float *q, size_t qld, float *out, size_t ld, int nr, int p0, const xq_kv *kc, const xq_kv *vc,
                     const int32_t *tab, int h, int G, int Hkv, int D, int bs, float scale, int window, float softcap,
                     pf_scratch *w) {
     const size_t hv = (size_t)D * VW;  // one head's transposed queries or outputs
     for (int g = 0; g < G; g++) {
         float *qt = w->qt + g * hv;
         for (int d = 0; d < D; d++)
-            for (int r = 0; r < VW; r++) qt[(size_t)d * VW + r] = r < nr ? q[(size_t)r * ld + (size_t)g * D + d] * scale : 0.f;
+            for (int r = 0; r < VW; r++) qt[(size_t)d * VW + r] = r < nr ? q[(size_t)r * qld + (size_t)g * D + d] * scale : 0.f;
         v_store(w->m + (size_t)g * VW, v_set1(-FLT_MAX));
         v_store(w->l + (size_t)g * VW, v_zero());
     }
@@ -1507,10 +1507,11 @@ static void pf_tile(const float *q, float *out, size_t ld, int nr, int p0, const
     }
 }
 
-// B prefill sequences: sequence b's q_lens[b] query rows start at row q_starts[b] of q [T, Hq, D] and
-// out (the same layout), its last at position kv_lens[b] - 1; tables [B, table_stride]. The caches
-// and the other arguments as xinfer_paged_decode's (turbo: q and out in its rotated frame).
-void xinfer_paged_prefill(const float *q, void *kc, void *vc, float *k_scale, float *v_scale, int kind,
+// B prefill sequences: sequence b's q_lens[b] query rows start at row q_starts[b] of q [T, Hq, D] (rows
+// q_ld floats apart: a view into the QKV projection's output) and of out [T, Hq, D], its last at
+// position kv_lens[b] - 1; tables [B, table_stride]. The caches and the other arguments as
+// xinfer_paged_decode's (turbo: q and out in its rotated frame).
+void xinfer_paged_prefill(const float *q, int64_t q_ld, void *kc, void *vc, float *k_scale, float *v_scale, int kind,
                           const int32_t *tables, int table_stride, const int32_t *q_starts, const int32_t *q_lens,
                           const int32_t *kv_lens, float *out, int B, int Hq, int Hkv, int D, int bs, float scale,
                           int window, float softcap, int bits, const float *levels) {
@@ -1534,8 +1535,8 @@ void xinfer_paged_prefill(const float *q, void *kc, void *vc, float *k_scale, fl
             while (rest >= (per = (q_lens[b] + VW - 1) / VW * Hkv)) rest -= per, b++;
             const int tiles = per / Hkv, tile = tiles - 1 - rest / Hkv, h = rest % Hkv;  // the longest tiles first
             const int r0 = tile * VW, nr = q_lens[b] - r0 < VW ? q_lens[b] - r0 : VW;
-            const size_t off = ((size_t)q_starts[b] + r0) * ld + (size_t)h * G * D;
-            pf_tile(q + off, out + off, ld, nr, kv_lens[b] - q_lens[b] + r0, &k, &v,
+            const size_t row = (size_t)q_starts[b] + r0, head = (size_t)h * G * D;
+            pf_tile(q + row * q_ld + head, (size_t)q_ld, out + row * ld + head, ld, nr, kv_lens[b] - q_lens[b] + r0, &k, &v,
                     tables + (size_t)b * table_stride, h, G, Hkv, D, bs, scale, window, softcap, &w);
         }
         free(mem);

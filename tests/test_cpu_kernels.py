@@ -201,6 +201,7 @@ def test_paged_prefill_matches_gather_sdpa(window, softcap, hq, hkv, d):
     for lens, qlens in [([37], [37]), ([300, 5, 21], [300, 1, 21]), ([150, 80], [129, 17]),
                         ([1, 40, 33, 19], [1, 40, 30, 19])]:
         q, kc, vc, meta = _paged_case(len(lens), lens, qlens, hq=hq, hkv=hkv, d=d)
+        q = torch.cat([q, torch.randn(q.shape[0], 2, d)], 1)[:, :hq]  # a view into a QKV output, as in a model
         want = plain.forward(q, kc, vc, _plain_meta(meta), 0.125, window, softcap)
         got = fused.forward(q, kc, vc, meta, 0.125, window, softcap)
         assert meta.cache["torch"]["prefill_c"] is not None
