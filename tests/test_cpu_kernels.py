@@ -208,6 +208,22 @@ def test_paged_prefill_matches_gather_sdpa(window, softcap, hq, hkv, d):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_silu_mul_in_one_pass():
+    """silu(gate) * up over a gate/up output: float32 as torch computes it, bfloat16 rounded once from
+    the float32 result (torch rounds silu's output and then the product)."""
+    gu = torch.randn(37, 2 * 96, generator=torch.Generator().manual_seed(0)) * 4
+    gate, up = gu.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(cpu_kernels.silu_mul(gu), want, rtol=1e-6, atol=1e-6)
+    gb = gu.bfloat16()
+    got = cpu_kernels.silu_mul(gb)
+    gate, up = gb.float().chunk(2, dim=-1)
+    exact = torch.nn.functional.silu(gate) * up
+    assert got.dtype == torch.bfloat16 and got.shape == (37, 96)
+    assert ((got.float() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-30).all()  # within one rounding
+    assert cpu_kernels.silu_mul(gu[:, :100].contiguous()) is None  # halves not whole vectors: the torch path
+
+
 @pytest.mark.parametrize("offset", [0.0, 1.0])
 def test_fused_rmsnorm_with_residual(offset):
     norm = RMSNorm(48, 1e-6, offset)
