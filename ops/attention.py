@@ -123,7 +123,8 @@ class TorchBackend(AttentionBackend):
         plan = {"prefill": pre, "decode": None, "decode_c": None, "prefill_c": None}
         c_ok = self._c is not None and device.type == "cpu" and dtype == torch.float32 and c_kind is not None \
             and self._attends(head_dim)
-        if pre and c_ok and not any(meta.bidirectional[i] for i in pre if meta.bidirectional):
+        if pre and c_ok and all(meta.query_lens[i] for i in pre) \
+                and not any(meta.bidirectional[i] for i in pre if meta.bidirectional):
             ints = lambda xs: torch.tensor(xs, dtype=torch.int32)
             plan["prefill_c"] = (meta.block_tables[torch.tensor(pre, device=device)].to(torch.int32).contiguous(),
                                  ints([meta.query_starts[i] for i in pre]), ints([meta.query_lens[i] for i in pre]),

@@ -1521,11 +1521,15 @@ void xinfer_paged_prefill(const float *q, int64_t q_ld, void *kc, void *vc, floa
     int items = 0;
     for (int b = 0; b < B; b++) items += (q_lens[b] + VW - 1) / VW * Hkv;
     const size_t ld = (size_t)Hq * D;
+    // each pool thread's scratch, kept across calls (past 128 KB a fresh one is mapped and faulted in each time)
+    static __thread float *mem;
+    static __thread size_t cap;
+    static __thread const float *rows[2 * SPAN];
+    const size_t need = (size_t)G * (2 * D + 2) * VW + (size_t)SPAN * VW + (size_t)2 * SPAN * D;
 #pragma omp parallel
     {
         pf_scratch w;
-        float *mem = malloc(sizeof(float) * ((size_t)G * (2 * D + 2) * VW + (size_t)SPAN * VW + (size_t)2 * SPAN * D));
-        const float **rows = malloc(sizeof(float *) * 2 * SPAN);
+        if (need > cap) free(mem), mem = malloc(sizeof(float) * need), cap = need;
         w.qt = mem, w.ot = w.qt + (size_t)G * D * VW, w.m = w.ot + (size_t)G * D * VW, w.l = w.m + (size_t)G * VW;
         w.s = w.l + (size_t)G * VW, w.kbuf = w.s + (size_t)SPAN * VW, w.vbuf = w.kbuf + (size_t)SPAN * D;
         w.krows = rows, w.vrows = rows + SPAN;
@@ -1539,8 +1543,6 @@ void xinfer_paged_prefill(const float *q, int64_t q_ld, void *kc, void *vc, floa
             pf_tile(q + row * q_ld + head, (size_t)q_ld, out + row * ld + head, ld, nr, kv_lens[b] - q_lens[b] + r0, &k, &v,
                     tables + (size_t)b * table_stride, h, G, Hkv, D, bs, scale, window, softcap, &w);
         }
-        free(mem);
-        free(rows);
     }
 }
 
