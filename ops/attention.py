@@ -159,28 +159,21 @@ class TorchBackend(AttentionBackend):
         nb, bs, hkv, d = *k_cache.shape[:3], q.shape[-1]  # a turbo cache's last dimension is its packed bytes
         plan = self._plan(meta, q.device, q.dtype, kv_quant.c_kind(k_cache), d)
         starts = meta.query_starts
-        ks, vs = kv_quant.scales(k_cache), kv_quant.scales(v_cache)
-        bits, _, levels = getattr(k_cache, "kv_turbo", (0, None, None))
         if plan["prefill_c"] is not None:
             tables, q_starts, q_lens, kv_lens = plan["prefill_c"]
             if q.stride()[1:] != (d, 1):  # heads packed within a row, rows any distance apart
                 q = q.contiguous()
-            self._c.xinfer_paged_prefill(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                                         None if ks is None else ks.data_ptr(), None if vs is None else vs.data_ptr(),
-                                         kv_quant.c_kind(k_cache), tables.data_ptr(), tables.shape[1],
-                                         q_starts.data_ptr(), q_lens.data_ptr(), kv_lens.data_ptr(), out.data_ptr(),
-                                         len(q_lens), q.shape[1], hkv, d, bs, scale, sliding_window or 0,
-                                         softcap or 0.0, bits, None if levels is None else levels.data_ptr())
+            self._c.xinfer_paged_prefill(q.data_ptr(), q.stride(0), *_c_caches(k_cache, v_cache), tables.data_ptr(),
+                                         tables.shape[1], q_starts.data_ptr(), q_lens.data_ptr(), kv_lens.data_ptr(),
+                                         out.data_ptr(), len(q_lens), q.shape[1], hkv, d, bs, scale,
+                                         sliding_window or 0, softcap or 0.0, *_c_turbo(k_cache))
         if plan["decode_c"] is not None:
             rows, every_row, tables, lens = plan["decode_c"]
             qd = (q if every_row else q[rows]).contiguous()
             od = torch.empty_like(qd)
-            self._c.xinfer_paged_decode(qd.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                                        None if ks is None else ks.data_ptr(), None if vs is None else vs.data_ptr(),
-                                        kv_quant.c_kind(k_cache), tables.data_ptr(), tables.shape[1],
+            self._c.xinfer_paged_decode(qd.data_ptr(), *_c_caches(k_cache, v_cache), tables.data_ptr(), tables.shape[1],
                                         lens.data_ptr(), od.data_ptr(), qd.shape[0], qd.shape[1], hkv, d, bs, scale,
-                                        sliding_window or 0, softcap or 0.0, bits,
-                                        None if levels is None else levels.data_ptr())
+                                        sliding_window or 0, softcap or 0.0, *_c_turbo(k_cache))
             if every_row:
                 return od
             out[rows] = od
@@ -214,6 +207,19 @@ class TorchBackend(AttentionBackend):
             causal = ql == kl and not sliding_window and softcap is None and not spans
             out[s:s + ql] = _sdpa(qs, ks, vs, None if causal else mask[None, None], scale, softcap)[0].transpose(0, 1)
         return out
+
+
+def _c_caches(k_cache, v_cache) -> tuple:
+    """The C attention kernels' cache arguments: both caches, their scales (fp8, turbo) or NULL, the kind."""
+    ks, vs = kv_quant.scales(k_cache), kv_quant.scales(v_cache)
+    return (k_cache.data_ptr(), v_cache.data_ptr(), None if ks is None else ks.data_ptr(),
+            None if vs is None else vs.data_ptr(), kv_quant.c_kind(k_cache))
+
+
+def _c_turbo(k_cache) -> tuple:
+    """A turbo cache's bits a value and codebook for the C kernels; (0, NULL) for the others."""
+    bits, _, levels = getattr(k_cache, "kv_turbo", (0, None, None))
+    return bits, None if levels is None else levels.data_ptr()
 
 
 def _sdpa(q, k, v, mask, scale, softcap):
