@@ -1183,6 +1183,42 @@ static inline __attribute__((always_inline)) vf qk_chunk(const float *qg, const 
     return v_sums(acc);
 }
 
+// One online-softmax update per query head over a span's n scores (Hkv * G heads, SPAN apart in sc,
+// head h * G + g): its running max and sum of exponentials (mx[h][g], sum[h][g]), its output o[h] + g
+// * D rescaled, and its scores replaced by their exponentials (0 past n). softcap > 0: scores =
+// softcap * tanh(scores / softcap) first.
+static void span_softmax(float *sc, int n, int Hkv, int G, int D, float softcap, float *const *o, float *const *mx,
+                         float *const *sum) {
+    const int nc = (n + VW - 1) / VW;
+    float rs[VW];
+    for (int h = 0; h < Hkv; h++)
+        for (int g = 0; g < G; g++) {
+            float *s = sc + (size_t)(h * G + g) * SPAN;
+            if (softcap > 0.f)
+                for (int j = 0; j < n; j++) s[j] = softcap * tanhf(s[j] / softcap);
+            for (int j = n; j < nc * VW; j++) s[j] = -INFINITY;
+            vf m = v_load(s);
+            for (int c = 1; c < nc; c++) m = v_max(m, v_load(s + c * VW));
+            const float mnew = fmaxf(mx[h][g], v_hmax(m)), alpha = expf(mx[h][g] - mnew);  // 0 at the first span
+            const vf mv = v_set1(mnew);
+            vf tot = v_zero();
+            for (int c = 0; c < nc; c++) {
+                const vf e = v_first(v_exp(v_sub(v_load(s + c * VW), mv)), c == nc - 1 ? n - c * VW : VW, 0.f);
+                v_store(s + c * VW, e);
+                tot = v_add(tot, e);
+            }
+            v_store(rs, tot);
+            float esum = 0.f;
+            for (int j = 0; j < VW; j++) esum += rs[j];
+            sum[h][g] = sum[h][g] * alpha + esum, mx[h][g] = mnew;
+            if (alpha != 1.f) {
+                float *og = o[h] + (size_t)g * D;
+                const vf a = v_set1(alpha);
+                for (int i = 0; i < D; i += VW) v_store(og + i, v_mul(v_load(og + i), a));
+            }
+        }
+}
+
 // Decode attention straight from the paged KV cache (no gather): one query row per sequence.
 // Every KV head's G query heads qh over the n <= SPAN tokens c0 .. c0 + n - 1 (tab: the sequence's
 // block table). All the span's scores first (each chunk of VW tokens out of one v_sums, its K rows
@@ -1210,32 +1246,7 @@ static void attend_span(const float *q, const xq_kv *kc, const xq_kv *vc, const 
             }
         }
     }
-    for (int h = 0; h < Hkv; h++)
-        for (int g = 0; g < G; g++) {
-            float *s = sc[h * G + g];
-            if (softcap > 0.f)
-                for (int j = 0; j < n; j++) s[j] = softcap * tanhf(s[j] / softcap);
-            for (int j = n; j < nc * VW; j++) s[j] = -INFINITY;
-            vf m = v_load(s);
-            for (int c = 1; c < nc; c++) m = v_max(m, v_load(s + c * VW));
-            const float mnew = fmaxf(mx[h][g], v_hmax(m)), alpha = expf(mx[h][g] - mnew);  // 0 at the first span
-            const vf mv = v_set1(mnew);
-            vf tot = v_zero();
-            for (int c = 0; c < nc; c++) {
-                const vf e = v_first(v_exp(v_sub(v_load(s + c * VW), mv)), c == nc - 1 ? n - c * VW : VW, 0.f);
-                v_store(s + c * VW, e);
-                tot = v_add(tot, e);
-            }
-            v_store(rs, tot);
-            float esum = 0.f;
-            for (int j = 0; j < VW; j++) esum += rs[j];
-            sum[h][g] = sum[h][g] * alpha + esum, mx[h][g] = mnew;
-            if (alpha != 1.f) {
-                float *og = o[h] + (size_t)g * D;
-                const vf a = v_set1(alpha);
-                for (int i = 0; i < D; i += VW) v_store(og + i, v_mul(v_load(og + i), a));
-            }
-        }
+    span_softmax(&sc[0][0], n, Hkv, G, D, softcap, o, mx, sum);
     for (int c = 0; c < nc; c++) {
         const int cnt = n - c * VW < VW ? n - c * VW : VW;
         for (int h = 0; h < Hkv; h++) {
@@ -1244,6 +1255,143 @@ static void attend_span(const float *q, const xq_kv *kc, const xq_kv *vc, const 
         }
     }
 }
+
+#if defined(__AVX512BF16__)
+// A bfloat16 cache's decode attention on the dot-product units (vdpbf16ps), its rows read where
+// they lie: no conversion into a buffer, which with the per-row work of float32 FMAs made the
+// kernel compute-bound even from memory (bench/NOTES-cpu.md). The query and the probabilities are
+// each split into bfloat16 hi + lo (lo = x - hi, rounded again): every product is exact in float32,
+// so the scores and outputs keep float32's precision to ~2^-16 relative (one bfloat16 rounding of q
+// or p would be 2^-9). Head sizes 64 and 128 (KD = D / 32 vectors a row, in registers).
+static inline void split_bf16(const float *x, uint16_t *hi, uint16_t *lo, int n) {  // n a multiple of 16
+    for (int i = 0; i < n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+        const __m512 hv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        _mm256_storeu_si256((__m256i *)(hi + i), h);
+        _mm256_storeu_si256((__m256i *)(lo + i), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, hv)));
+    }
+}
+
+// Where the span's rows start (head 0; K and V alike), VW a chunk: past n the last row again,
+// whose probability is 0.
+static inline void bf16_span_rows(const int32_t *tab, int c0, int n, int bs, int Hkv, int D, size_t *at) {
+    int blk = c0 / bs, off = c0 % bs;
+    const int nv = (n + VW - 1) / VW * VW;
+    for (int j = 0; j < nv; j++) {
+        at[j] = j < n ? ((size_t)tab[blk] * bs + off) * Hkv * D : at[n - 1];
+        if (++off == bs) off = 0, blk++;
+    }
+}
+
+// A chunk's rows (all heads: `row` bytes each) fetched toward L1 (T0) or L2 (T1).
+static inline void prefetch_rows(const uint16_t *base, const size_t *at, int row, int hint) {
+    for (int j = 0; j < VW; j++)
+        for (int i = 0; i < row; i += 64) {
+            if (hint) _mm_prefetch((const char *)(base + at[j]) + i, _MM_HINT_T1);
+            else _mm_prefetch((const char *)(base + at[j]) + i, _MM_HINT_T0);
+        }
+}
+
+// Lane j: q . row j (hi and lo parts, KD vectors of 32 each), over the chunk's VW rows at + hoff.
+static inline __attribute__((always_inline)) vf qk_bf16(const __m512bh *qh, const __m512bh *ql,
+                                                        const uint16_t *base, const size_t *at, int KD) {
+    vf acc[VW];
+    for (int j = 0; j < VW; j++) {
+        const uint16_t *k = base + at[j];
+        vf a = v_zero();
+        for (int i = 0; i < KD; i++) {
+            const __m512bh kv = (__m512bh)_mm512_loadu_si512(k + 32 * i);
+            a = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a, qh[i], kv), ql[i], kv);
+        }
+        acc[j] = a;
+    }
+    return v_sums(acc);
+}
+
+// o[g] += sum over the chunk's VW rows (at + hoff) of p[g][j] v[j], 64 values of d from i0, for GN query
+// heads (probabilities ph / pl, SPAN apart). Rows j and j + 1 interleaved (unpacklo / hi_epi16) make
+// pairs (v[j][d], v[j + 1][d]) that one vdpbf16ps multiplies by the broadcast pair (p[j], p[j + 1]);
+// the unpacks leave d in the order 0-3, 8-11, .. (lo) and 4-7, 12-15, .. (hi), put back on the add into o.
+static inline __attribute__((always_inline)) void pv_bf16(const uint16_t *base, const size_t *at, int i0,
+                                                          const uint16_t *ph, const uint16_t *pl, float *o, int D,
+                                                          int GN) {
+    vf acc[4][4];
+    for (int g = 0; g < GN; g++)
+        for (int i = 0; i < 4; i++) acc[g][i] = v_zero();
+    for (int j = 0; j < VW; j += 2) {
+        const uint16_t *a = base + at[j] + i0, *b = base + at[j + 1] + i0;
+        const __m512i a0 = _mm512_loadu_si512(a), a1 = _mm512_loadu_si512(a + 32);
+        const __m512i b0 = _mm512_loadu_si512(b), b1 = _mm512_loadu_si512(b + 32);
+        const __m512bh u[4] = {(__m512bh)_mm512_unpacklo_epi16(a0, b0), (__m512bh)_mm512_unpackhi_epi16(a0, b0),
+                               (__m512bh)_mm512_unpacklo_epi16(a1, b1), (__m512bh)_mm512_unpackhi_epi16(a1, b1)};
+        for (int g = 0; g < GN; g++) {
+            uint32_t h2, l2;
+            memcpy(&h2, ph + (size_t)g * SPAN + j, 4), memcpy(&l2, pl + (size_t)g * SPAN + j, 4);
+            const __m512bh hp = (__m512bh)_mm512_set1_epi32((int)h2), lp = (__m512bh)_mm512_set1_epi32((int)l2);
+            for (int i = 0; i < 4; i++) acc[g][i] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[g][i], hp, u[i]), lp, u[i]);
+        }
+    }
+    const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int g = 0; g < GN; g++) {
+        float *og = o + (size_t)g * D + i0;
+        for (int i = 0; i < 4; i += 2) {
+            float *oi = og + 16 * i;
+            v_store(oi, v_add(v_load(oi), _mm512_permutex2var_ps(acc[g][i], lo, acc[g][i + 1])));
+            v_store(oi + 16, v_add(v_load(oi + 16), _mm512_permutex2var_ps(acc[g][i], hi, acc[g][i + 1])));
+        }
+    }
+}
+
+// attend_span for a bfloat16 cache: qh / ql the sequence's query heads [Hq, D] split in two.
+static void attend_span_bf16(const uint16_t *qh, const uint16_t *ql, const xq_kv *kc, const xq_kv *vc,
+                             const int32_t *tab, int c0, int n, int G, int Hkv, int D, int bs, float scale,
+                             float softcap, float *const *o, float *const *mx, float *const *sum) {
+    const int nc = (n + VW - 1) / VW, KD = D / 32, row = Hkv * D * 2;
+    float sc[Hkv * G][SPAN];
+    uint16_t ph[Hkv * G][SPAN], pl[Hkv * G][SPAN];
+    size_t at[SPAN];
+    const uint16_t *kb = kc->data, *vb = vc->data;
+    const vf sv = v_set1(scale);
+    bf16_span_rows(tab, c0, n, bs, Hkv, D, at);
+    if (!kc->warm) prefetch_rows(kb, at, row, 0);
+    for (int c = 0; c < nc; c++) {
+        const size_t *ac = at + c * VW;
+        if (!kc->warm) {  // the next chunk's keys, and this chunk's values for P.V after the span's scores
+            if (c + 1 < nc) prefetch_rows(kb, ac + VW, row, 0);
+            prefetch_rows(vb, ac, row, 1);
+        }
+        for (int h = 0; h < Hkv; h++)
+            for (int g = 0; g < G; g++) {
+                const size_t qo = ((size_t)h * G + g) * D;
+                __m512bh qhv[4], qlv[4];
+                for (int i = 0; i < KD; i++)
+                    qhv[i] = (__m512bh)_mm512_loadu_si512(qh + qo + 32 * i), qlv[i] = (__m512bh)_mm512_loadu_si512(ql + qo + 32 * i);
+                const vf s = KD == 2 ? qk_bf16(qhv, qlv, kb + (size_t)h * D, ac, 2) : qk_bf16(qhv, qlv, kb + (size_t)h * D, ac, 4);
+                v_store(sc[h * G + g] + c * VW, v_mul(s, sv));
+            }
+    }
+    span_softmax(&sc[0][0], n, Hkv, G, D, softcap, o, mx, sum);
+    for (int r = 0; r < Hkv * G; r++) split_bf16(sc[r], ph[r], pl[r], nc * VW);
+    for (int c = 0; c < nc; c++) {
+        const size_t *ac = at + c * VW;
+        for (int h = 0; h < Hkv; h++)
+            for (int g0 = 0; g0 < G; g0 += 4)
+                for (int i0 = 0; i0 < D; i0 += 64) {
+                    const int gn = G - g0 < 4 ? G - g0 : 4;
+                    const uint16_t *hp = ph[h * G + g0] + c * VW, *lp = pl[h * G + g0] + c * VW, *vh = vb + (size_t)h * D;
+                    float *og = o[h] + (size_t)g0 * D;
+                    switch (gn) {
+                    case 1: pv_bf16(vh, ac, i0, hp, lp, og, D, 1); break;
+                    case 2: pv_bf16(vh, ac, i0, hp, lp, og, D, 2); break;
+                    case 3: pv_bf16(vh, ac, i0, hp, lp, og, D, 3); break;
+                    default: pv_bf16(vh, ac, i0, hp, lp, og, D, 4);
+                    }
+                }
+    }
+}
+#endif
 
 // Every KV head of one sequence over its positions t0 .. t1 - 1, a span at a time. o[h], mx[h],
 // sum[h]: where KV head h's G query heads keep their state.
@@ -1254,12 +1402,25 @@ static void attend_range(const float *q, const xq_kv *kc, const xq_kv *vc, const
         for (int g = 0; g < G; g++) mx[h][g] = -INFINITY, sum[h][g] = 0.f;
         memset(o[h], 0, sizeof(float) * (size_t)G * D);
     }
+#if defined(__AVX512BF16__)
+    const int on_dp = kc->kind == KV_BF16 && (D == 64 || D == 128);  // attend_span_bf16, which prefetches its own
+    uint16_t qh[on_dp ? Hkv * G * D : 1], ql[on_dp ? Hkv * G * D : 1];
+    if (on_dp) split_bf16(q, qh, ql, Hkv * G * D);
+#else
+    const int on_dp = 0;
+#endif
     for (int c0 = t0; c0 < t1; c0 += SPAN) {
         const int n = t1 - c0 < SPAN ? t1 - c0 : SPAN;
-        if (!kc->warm) {
+        if (!kc->warm && !on_dp) {
             prefetch_span(kc, tab, c0, n, bs, Hkv * D);
             prefetch_span(vc, tab, c0, n, bs, Hkv * D);
         }
+#if defined(__AVX512BF16__)
+        if (on_dp) {
+            attend_span_bf16(qh, ql, kc, vc, tab, c0, n, G, Hkv, D, bs, scale, softcap, o, mx, sum);
+            continue;
+        }
+#endif
         attend_span(q, kc, vc, tab, c0, n, G, Hkv, D, bs, scale, softcap, o, mx, sum);
     }
 }

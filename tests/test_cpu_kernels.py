@@ -191,6 +191,25 @@ def test_paged_decode_matches_gather_sdpa(window, softcap):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not cpu_kernels.has_bf16(), reason="this build has no AVX512_BF16 dot products (the bf16 "
+                    "build's run of this file tests them where the CPU has them)")
+@pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 30.0)])
+@pytest.mark.parametrize("hq,hkv,d", [(6, 2, 64), (8, 2, 128), (3, 3, 64), (10, 2, 64)])
+def test_paged_decode_bf16_dot_products(window, softcap, hq, hkv, d):
+    """A bfloat16 cache's decode attention on the dot-product units (q and p split in hi + lo parts)
+    keeps float32's precision against the torch path reading the same cache: query groups of 1 to 5,
+    head sizes 64 and 128, chunks off the vector width, long sequences split in ranges."""
+    fused, plain = TorchBackend(), TorchBackend()
+    plain._c = None
+    for lens in ([1, 7, 16, 33], [300], [70, 129]):
+        q, kc, vc, meta = _paged_case(len(lens), lens, [1] * len(lens), hq=hq, hkv=hkv, d=d)
+        kc, vc = kc.bfloat16(), vc.bfloat16()
+        want = plain.forward(q, kc, vc, _plain_meta(meta), 0.125, window, softcap)
+        got = fused.forward(q, kc, vc, meta, 0.125, window, softcap)
+        assert meta.cache["torch"]["decode_c"] is not None
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("window,softcap", [(None, None), (7, None), (None, 30.0), (40, None)])
 @pytest.mark.parametrize("hq,hkv,d", [(6, 2, 64), (4, 4, 128), (3, 1, 64)])
 def test_paged_prefill_matches_gather_sdpa(window, softcap, hq, hkv, d):
