@@ -1,6 +1,7 @@
 """The offline Engine: the engine core, its model runner and detokenization, in one process."""
 from __future__ import annotations
 
+import gc
 import shutil
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -8,6 +9,7 @@ from typing import Iterator
 import numpy as np
 
 from xinfer import parallel, spec
+from xinfer.process import freeze_heap
 from xinfer.config import EngineConfig
 from xinfer.detokenizer import IncrementalDetokenizer
 from xinfer.engine_core import Delta, EngineCore
@@ -68,6 +70,7 @@ class Engine:
         self.max_model_len = self.core.max_model_len  # capped by the KV cache
         self._detok: dict[int, IncrementalDetokenizer] = {}  # the one per-choice state kept here
         self.default_params = default_sampling_params(info.generation_config)
+        freeze_heap()
 
     # The core's parts, for callers that look inside (tests, benchmarks).
     runner = property(lambda self: self.core.runner)
@@ -140,6 +143,7 @@ class Engine:
         self.core.close()
         if self._rundir is not None:
             shutil.rmtree(self._rundir, ignore_errors=True)
+        gc.unfreeze()  # this engine's cycles collectable again (another engine's objects: scanned, not lost)
 
     # ---- offline API ----
     def stream(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> Iterator[Delta]:
