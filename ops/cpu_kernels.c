@@ -971,6 +971,19 @@ static inline uint16_t fp8_half(uint8_t b, int e4m3) {
     return e4m3 ? (uint16_t)(((b & 0x7F) << 7) | ((b & 0x80) << 8)) : (uint16_t)(b << 8);
 }
 
+// One bfloat16 value widened (exact), one float32 rounded to nearest-even (as torch casts; finite x).
+static inline float bf16_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline uint16_t f32_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
 // Row r (= slot * Hkv + head) as D float32 values, without its scale: the cache itself (float32) or buf.
 static inline const float *kv_row(const xq_kv *c, size_t r, int D, float *buf) {
     int i = 0;
@@ -1001,10 +1014,7 @@ static inline const float *kv_row(const xq_kv *c, size_t r, int D, float *buf) {
         for (; i + 8 <= D; i += 8)
             _mm256_storeu_ps(buf + i, _mm256_castsi256_ps(_mm256_slli_epi32(
                                           _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + i))), 16)));
-        for (; i < D; i++) {
-            const uint32_t u = (uint32_t)p[i] << 16;
-            memcpy(buf + i, &u, 4);
-        }
+        for (; i < D; i++) buf[i] = bf16_f32(p[i]);
     }
     return buf;
 }
@@ -1057,11 +1067,7 @@ static void kv_write(const xq_kv *c, size_t r0, const float *x, int Hkv, int D) 
             for (int i = 0; i < D; i++) p[i] = _cvtss_sh(xh[i], 0);
         } else {  // bfloat16, rounded to nearest-even as torch casts
             uint16_t *p = (uint16_t *)c->data + r * D;
-            for (int i = 0; i < D; i++) {
-                uint32_t u;
-                memcpy(&u, xh + i, 4);
-                p[i] = (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-            }
+            for (int i = 0; i < D; i++) p[i] = f32_bf16(xh[i]);
         }
     }
 }
@@ -1751,25 +1757,49 @@ void xinfer_silu_mul(const void *gu, void *out, int T, int I, int bf16) {
 }
 
 // residual += x (when residual is given), then out = w * (r / sqrt(mean(r^2) + eps)) per row of H,
-// with w + offset for Gemma's (1 + w) scaling: RMSNorm in float32, with the residual add fused.
-static void add_rmsnorm_row(const float *xr, float *rr, const float *w, float *o, int H, float eps, float offset) {
-    float ss = 0.f;
-    for (int i = 0; i < H; i++) {
-        float r = rr ? rr[i] + xr[i] : xr[i];
-        if (rr) rr[i] = r;
+// with w + offset for Gemma's (1 + w) scaling: RMSNorm in float32, with the residual add fused. x
+// and out float32, or bfloat16 where xb / ob (the output of a bfloat16 GEMM widened exactly; the
+// input of one rounded once, as the casts around a float32 norm would): the same numbers without
+// the casts. The sum of squares in VW lanes (torch's order is its own too).
+static void add_rmsnorm_row(const void *x, int xb, float *rr, const float *w, void *o, int ob, int H, float eps,
+                            float offset) {
+    const float *xf = x;
+    const uint16_t *xh = x;
+    vf acc = v_zero();
+    int i = 0;
+    for (; i + VW <= H; i += VW) {
+        vf r = xb ? bf16_load(xh + i) : v_load(xf + i);
+        if (rr) r = v_add(v_load(rr + i), r), v_store(rr + i, r);
+        acc = v_add(acc, v_mul(r, r));
+    }
+    float ss = hsum(acc);
+    for (; i < H; i++) {
+        float r = xb ? bf16_f32(xh[i]) : xf[i];
+        if (rr) r = rr[i] + r, rr[i] = r;
         ss += r * r;
     }
     const float inv = 1.f / sqrtf(ss / H + eps);
-    const float *src = rr ? rr : xr;
-    for (int i = 0; i < H; i++) o[i] = (w[i] + offset) * (src[i] * inv);
+    const vf iv = v_set1(inv), off = v_set1(offset);
+    for (i = 0; i + VW <= H; i += VW) {
+        const vf r = rr ? v_load(rr + i) : xb ? bf16_load(xh + i) : v_load(xf + i);
+        const vf y = v_mul(v_add(v_load(w + i), off), v_mul(r, iv));
+        if (ob) bf16_store((uint16_t *)o + i, y);
+        else v_store((float *)o + i, y);
+    }
+    for (; i < H; i++) {
+        const float y = (w[i] + offset) * ((rr ? rr[i] : xb ? bf16_f32(xh[i]) : xf[i]) * inv);
+        if (ob) ((uint16_t *)o)[i] = f32_bf16(y);
+        else ((float *)o)[i] = y;
+    }
 }
 
-void xinfer_add_rmsnorm(const float *x, float *residual, const float *w, float *out, int T, int H, float eps,
-                        float offset) {
+void xinfer_add_rmsnorm(const void *x, int xb, float *residual, const float *w, void *out, int ob, int T, int H,
+                        float eps, float offset) {
+    const size_t xs = (size_t)H * (xb ? 2 : 4), os = (size_t)H * (ob ? 2 : 4);
 #pragma omp parallel for schedule(static) if (T > 4)
     for (int t = 0; t < T; t++)
-        add_rmsnorm_row(x + (size_t)t * H, residual ? residual + (size_t)t * H : NULL, w, out + (size_t)t * H, H, eps,
-                        offset);
+        add_rmsnorm_row((const char *)x + t * xs, xb, residual ? residual + (size_t)t * H : NULL, w,
+                        (char *)out + t * os, ob, H, eps, offset);
 }
 
 // Rotary embedding in place, HF's rotate-half layout over the first rot_dim of each head:
@@ -1869,7 +1899,7 @@ static void pf_step(kv_pf *p) {
 }
 
 static void head_norm(float *x, const float *w, int H, int D, float eps, float offset) {
-    for (int h = 0; h < H; h++) add_rmsnorm_row(x + (size_t)h * D, NULL, w, x + (size_t)h * D, D, eps, offset);
+    for (int h = 0; h < H; h++) add_rmsnorm_row(x + (size_t)h * D, 0, NULL, w, x + (size_t)h * D, 0, D, eps, offset);
 }
 
 // x [B, H]: the embedded tokens; out [B, H]: the final norm's output (the head's input). pos,
@@ -1896,7 +1926,7 @@ void xinfer_decode(const xq_model *m, const float *x, float *out, int B, const i
                               warm};
 #pragma omp single
             for (int b = 0; b < B; b++)  // the first layer's residual is its input
-                add_rmsnorm_row(y + (size_t)b * H, l ? res + (size_t)b * H : NULL, L->ln_in, h + (size_t)b * H, H,
+                add_rmsnorm_row(y + (size_t)b * H, 0, l ? res + (size_t)b * H : NULL, L->ln_in, h + (size_t)b * H, 0, H,
                                 m->eps, m->offset);
 #pragma omp single
             if (l == 0) memcpy(res, y, sizeof(float) * (size_t)B * H);
@@ -1924,8 +1954,8 @@ void xinfer_decode(const xq_model *m, const float *x, float *out, int B, const i
 #pragma omp single
             for (int b = 0; b < B; b++) {
                 if (L->attn_out_norm)
-                    add_rmsnorm_row(y + (size_t)b * H, NULL, L->attn_out_norm, y + (size_t)b * H, H, m->eps, m->offset);
-                add_rmsnorm_row(y + (size_t)b * H, res + (size_t)b * H, L->ln_post, h + (size_t)b * H, H, m->eps,
+                    add_rmsnorm_row(y + (size_t)b * H, 0, NULL, L->attn_out_norm, y + (size_t)b * H, 0, H, m->eps, m->offset);
+                add_rmsnorm_row(y + (size_t)b * H, 0, res + (size_t)b * H, L->ln_post, h + (size_t)b * H, 0, H, m->eps,
                                 m->offset);
             }
             kv_pf pf;
@@ -1952,12 +1982,12 @@ void xinfer_decode(const xq_model *m, const float *x, float *out, int B, const i
             if (L->mlp_out_norm) {
 #pragma omp single
                 for (int b = 0; b < B; b++)
-                    add_rmsnorm_row(y + (size_t)b * H, NULL, L->mlp_out_norm, y + (size_t)b * H, H, m->eps, m->offset);
+                    add_rmsnorm_row(y + (size_t)b * H, 0, NULL, L->mlp_out_norm, y + (size_t)b * H, 0, H, m->eps, m->offset);
             }
         }
 #pragma omp single
         for (int b = 0; b < B; b++)
-            add_rmsnorm_row(y + (size_t)b * H, res + (size_t)b * H, m->final_norm, out + (size_t)b * H, H, m->eps,
+            add_rmsnorm_row(y + (size_t)b * H, 0, res + (size_t)b * H, m->final_norm, out + (size_t)b * H, 0, H, m->eps,
                             m->offset);
     }
     free(res), free(h), free(y), free(qkv), free(att), free(gu), free(act), free(part);

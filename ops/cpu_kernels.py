@@ -71,7 +71,7 @@ def lib():
     so.xinfer_paged_decode.argtypes = [p, p, p, p, p, i, p, i, p, p, i, i, i, i, i, f, i, f, i, p]
     so.xinfer_paged_prefill.argtypes = [p, ctypes.c_int64, p, p, p, p, i, p, i, p, p, p, p, i, i, i, i, i, f, i, f, i, p]
     so.xinfer_silu_mul.argtypes = [p, p, i, i, i]
-    so.xinfer_add_rmsnorm.argtypes = [p, p, p, p, i, i, f, f]
+    so.xinfer_add_rmsnorm.argtypes = [p, i, p, p, p, i, i, i, f, f]
     so.xinfer_rope.argtypes = [p, p, p, p, p, i, i, i, i, i, ctypes.c_int64, ctypes.c_int64]
     so.xinfer_decode.argtypes = [p, p, p, i, p, p, p, i, p]
     so.xinfer_attn_width.argtypes = []

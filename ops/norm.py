@@ -8,9 +8,9 @@ from ops import triton_fused
 from ops.cpu_kernels import lib
 
 
-def _can_fuse(x: torch.Tensor) -> bool:
-    return x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.is_contiguous() \
-        and lib() is not None
+def _can_fuse(x: torch.Tensor, bf16: bool = False) -> bool:
+    return (x.dtype == torch.float32 or (bf16 and x.dtype == torch.bfloat16)) and x.device.type == "cpu" \
+        and x.dim() == 2 and x.is_contiguous() and lib() is not None
 
 
 class RMSNorm(torch.nn.Module):
@@ -34,18 +34,22 @@ class RMSNorm(torch.nn.Module):
             return (xf * (self.offset + self.weight.float())).to(dtype)
         return self.weight * xf.to(dtype)
 
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None):
-        """(norm(x + residual), x + residual), the sum written into `residual`; None: (norm(x), x)."""
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None, out_bf16: bool = False):
+        """(norm(x + residual), x + residual), the sum written into `residual`; None: (norm(x), x).
+        With a float32 residual, x may be bfloat16 (a bfloat16 GEMM's output, widened exactly).
+        `out_bf16`: the output may come in bfloat16, rounded once (for a GEMM that rounds its input
+        to bfloat16 anyway): the C kernel does both without the casts."""
         if triton_fused.enabled(x) and (residual is None or residual.is_contiguous()):
             return triton_fused.add_rmsnorm(x, residual, self.weight, self.eps, self.offset), \
                 (x if residual is None else residual)
-        if _can_fuse(x) and (residual is None or residual.is_contiguous()):
-            return self._fused(x, residual), (x if residual is None else residual)
+        if residual is None and _can_fuse(x) or residual is not None and _can_fuse(residual) and _can_fuse(x, True):
+            return self._fused(x, residual, out_bf16), (x if residual is None else residual)
         residual = x if residual is None else x + residual
         return self(residual), residual
 
-    def _fused(self, x, residual):
-        out = torch.empty_like(x)
-        lib().xinfer_add_rmsnorm(x.data_ptr(), 0 if residual is None else residual.data_ptr(), self.weight.data_ptr(),
-                                 out.data_ptr(), x.shape[0], x.shape[1], self.eps, self.offset)
+    def _fused(self, x, residual, out_bf16=False):
+        out = torch.empty(x.shape, dtype=torch.bfloat16 if out_bf16 else torch.float32)
+        lib().xinfer_add_rmsnorm(x.data_ptr(), x.dtype == torch.bfloat16, 0 if residual is None else residual.data_ptr(),
+                                 self.weight.data_ptr(), out.data_ptr(), out_bf16, x.shape[0], x.shape[1], self.eps,
+                                 self.offset)
         return out

@@ -184,6 +184,29 @@ def test_bf16_mlp_chain_matches_the_float32_round_trip():
     assert seen == [torch.float32]
 
 
+def test_bf16_between_norms_and_gemms_changes_no_number():
+    """With bfloat16 GEMMs, the plain decoder layer passes bfloat16 between its norms and GEMMs (the
+    norm reads the GEMM's output and writes the next GEMM's input): bit for bit what float32 with a
+    cast around each GEMM gives, for a batch the bfloat16 weights take and one the blocks take."""
+    from xinfer.workers.batch import forward
+    e = Engine(EngineConfig(kv_cache_gb=0.05, cpu_matmul="bfloat16"), log_level="warning")
+    try:
+        r = e.runner
+        layers = r.model.model.layers
+        assert all(ly.bf16_io for ly in layers)
+        for n in (40, 3):  # past MAX_ROWS (bfloat16 weights), and a few rows (the GGUF blocks)
+            rows = [(list(range(4)), 0, list(range(100, 100 + n)))]
+            outs = []
+            for io in (True, False):
+                for ly in layers:
+                    ly.bf16_io = io
+                with torch.inference_mode():
+                    outs.append(r.model.compute_logits(forward(r.model, r.backend, r.device, r.block_size, rows)))
+            assert torch.equal(outs[0], outs[1]), n
+    finally:
+        e.close()
+
+
 def test_packed_bf16_weight_gives_the_plain_bf16_product():
     """The bfloat16 copy is packed once into oneDNN's layout (where oneDNN is on): the product is
     the plain bfloat16 GEMM's, for 2-D and 3-D activations and an empty batch."""

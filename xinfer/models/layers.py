@@ -13,7 +13,7 @@ from ops import cpu_kernels, triton_fused
 from ops.attention import attend
 from ops.linear import linear, pack
 from ops.norm import RMSNorm
-from ops.quant import QuantWeight
+from ops.quant import MAX_ROWS, QuantWeight
 from ops.rotary import RotaryEmbedding
 from xinfer import parallel as tp
 from xinfer.loader.lazy import Lazy, materialize, reads_parts
@@ -91,6 +91,11 @@ class Linear(nn.Module):
         start, size = self.shards[shard]
         default_loader(param.data.narrow(0, start, size), loaded.narrow(0, *self.take[shard]))
 
+    def reads_bf16(self, rows: int) -> bool:
+        """A batch of `rows` goes to the bfloat16 weight, which rounds its input to bfloat16 first: a
+        bfloat16 input is the same numbers (ops/linear.py takes the blocks below MAX_ROWS)."""
+        return self.fast is not None and self.fast.dtype == torch.bfloat16 and (self.blocks is None or rows > MAX_ROWS)
+
     def forward(self, x, out_bf16: bool = False):
         if self.parallel != "row":
             return linear(x, self.weight, self.bias, self.blocks, self.fast, out_bf16)
@@ -136,7 +141,8 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(inter, [hidden], bias=bias, parallel="row", reduce=reduce)
         self.act, self.act_name = ACTIVATIONS[act], act
 
-    def forward(self, x):
+    def forward(self, x, out_bf16: bool = False):
+        """`out_bf16`: the output may stay in bfloat16 where the down projection runs in it."""
         if self.act_name in ("silu", "gelu_pytorch_tanh") and triton_fused.enabled(x):
             return self.down_proj(triton_fused.gated_act(self.gate_up_proj(x), self.act_name != "silu"))
         # --cpu-matmul bfloat16, batches past the blocks: gate and up stay in bfloat16 through the
@@ -147,7 +153,7 @@ class GatedMLP(nn.Module):
         if h is None:
             gate, up = gu.chunk(2, dim=-1)
             h = self.act(gate) * up
-        return self.down_proj(h)
+        return self.down_proj(h, out_bf16)
 
 
 ACTIVATIONS = {
@@ -183,7 +189,8 @@ class Attention(nn.Module):
         self.softcap = softcap
         self.k_cache = self.v_cache = None  # bound by the model runner
 
-    def forward(self, positions, x):
+    def forward(self, positions, x, out_bf16: bool = False):
+        """`out_bf16`: the output may stay in bfloat16 where the output projection runs in it."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(
             [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], -1)
@@ -194,7 +201,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         o = attend(q, k, v, self.k_cache, self.v_cache, self.scale, self.sliding_window, self.softcap)
-        return self.o_proj(o.reshape(t, -1))
+        return self.o_proj(o.reshape(t, -1), out_bf16)
 
 
 # Checkpoint (HF) sub-names that load into a shard of a fused parameter.

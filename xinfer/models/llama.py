@@ -66,11 +66,20 @@ class DecoderLayer(nn.Module):
         h = cfg["hidden_size"]
         self.input_layernorm = RMSNorm(h, eps, off)
         self.post_attention_layernorm = RMSNorm(h, eps, off)
+        # the plain blocks pass bfloat16 between the norms and the bfloat16 GEMMs (--cpu-matmul
+        # bfloat16): the same numbers as float32 with casts around each GEMM, without the casts
+        self.bf16_io = type(self.self_attn) is Attention and type(self.mlp) is GatedMLP
 
     def forward(self, positions, x, residual):
-        h, residual = self.input_layernorm.add_forward(x, residual)
-        h, residual = self.post_attention_layernorm.add_forward(self.self_attn(positions, h), residual)
-        return self.mlp(h), residual
+        a, m, n = self.self_attn, self.mlp, x.shape[0]
+        if not self.bf16_io:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+            h, residual = self.post_attention_layernorm.add_forward(a(positions, h), residual)
+            return m(h), residual
+        h, residual = self.input_layernorm.add_forward(x, residual, a.qkv_proj.reads_bf16(n))
+        h, residual = self.post_attention_layernorm.add_forward(a(positions, h, True), residual,
+                                                                m.gate_up_proj.reads_bf16(n))
+        return m(h, True), residual
 
 
 class Elsewhere(nn.Module):
@@ -171,7 +180,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers[lo:hi]:
             x, residual = layer(positions, x, residual)
         if not tp.last_stage():
-            tp.send_next(x, residual)
+            tp.send_next(x.float(), residual)  # the last layer's output may be bfloat16 (DecoderLayer.bf16_io)
             return None
         return self.model.norm.add_forward(x, residual)[0]
 

@@ -230,6 +230,7 @@ class Qwen3VLMixin:
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(mm.positions, x, residual)
             if mm.deepstack is not None and i < mm.deepstack.shape[0]:
+                x = x.to(residual.dtype)  # a layer's output may be bfloat16 (DecoderLayer.bf16_io)
                 x[mm.rows] += mm.deepstack[i].to(x.dtype)
         return self.model.norm.add_forward(x, residual)[0]
 
