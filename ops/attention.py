@@ -109,9 +109,22 @@ class TorchBackend(AttentionBackend):
         self._attends = cpu_kernels.attends
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
-        kv_quant.store(k, k_cache, slot_mapping)
-        if v_cache is not k_cache:  # MLA's one cache: k is v
-            kv_quant.store(v, v_cache, slot_mapping)
+        for x, cache in ((k, k_cache),) if v_cache is k_cache else ((k, k_cache), (v, v_cache)):  # MLA: k is v
+            if not self._store_c(x, cache, slot_mapping):
+                kv_quant.store(x, cache, slot_mapping)
+
+    def _store_c(self, x, cache, slots) -> bool:
+        """float32 K or V rows (a view into the QKV output) into a CPU cache that is not turbo in one
+        C call, writing the bytes kv_quant.store writes (tests/test_kv_quant.py): no cast and copy first."""
+        kind = kv_quant.c_kind(cache)
+        if (self._c is None or kind is None or kind == kv_quant.TURBO_KIND or cache.device.type != "cpu"
+                or x.dtype != torch.float32 or x.dim() != 3 or x.stride()[1:] != (x.shape[2], 1)
+                or slots.dtype != torch.int64 or not slots.is_contiguous()):
+            return False
+        s = kv_quant.scales(cache)
+        self._c.xinfer_kv_store(cache.data_ptr(), None if s is None else s.data_ptr(), kind, slots.data_ptr(),
+                                x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], x.shape[2], 0, None, None, None, None)
+        return True
 
     def _plan(self, meta: AttnMetadata, device, dtype, c_kind, head_dim):
         plan = meta.cache.get("torch")

@@ -971,6 +971,29 @@ static inline uint16_t fp8_half(uint8_t b, int e4m3) {
     return e4m3 ? (uint16_t)(((b & 0x7F) << 7) | ((b & 0x80) << 8)) : (uint16_t)(b << 8);
 }
 
+// bfloat16 <-> float32, VW values: widening is exact; narrowing rounds to nearest-even as torch does.
+#if VW == 16
+static inline vf bf16_load(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline void bf16_store(uint16_t *p, vf x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
+}
+#else
+static inline vf bf16_load(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline void bf16_store(uint16_t *p, vf x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08)));
+}
+#endif
+
 // One bfloat16 value widened (exact), one float32 rounded to nearest-even (as torch casts; finite x).
 static inline float bf16_f32(uint16_t h) {
     const uint32_t u = (uint32_t)h << 16;
@@ -1067,17 +1090,22 @@ static void kv_write(const xq_kv *c, size_t r0, const float *x, int Hkv, int D) 
             for (int i = 0; i < D; i++) p[i] = _cvtss_sh(xh[i], 0);
         } else {  // bfloat16, rounded to nearest-even as torch casts
             uint16_t *p = (uint16_t *)c->data + r * D;
-            for (int i = 0; i < D; i++) p[i] = f32_bf16(xh[i]);
+            int i = 0;
+            for (; i + VW <= D; i += VW) bf16_store(p + i, v_load(xh + i));
+            for (; i < D; i++) p[i] = f32_bf16(xh[i]);
         }
     }
 }
 
-// T tokens' K or V x [T, Hkv, D] into the cache at slots [T] (the write the decode step does; tests).
+// T tokens' K or V x [T, Hkv, D] (rows x_ld floats apart: a view into the QKV projection's output)
+// into the cache at slots [T], as the one-call decode step writes them.
 // turbo: its bits, levels, midpoints, rotation and key shift (or NULL); else 0 and NULLs.
-void xinfer_kv_store(void *data, float *scale, int kind, const int64_t *slots, const float *x, int T, int Hkv,
-                     int D, int bits, const float *levels, const float *mids, const float *rot, const float *shift) {
+void xinfer_kv_store(void *data, float *scale, int kind, const int64_t *slots, const float *x, int64_t x_ld, int T,
+                     int Hkv, int D, int bits, const float *levels, const float *mids, const float *rot,
+                     const float *shift) {
     const xq_kv c = {data, scale, kind, bits, levels, mids, rot, shift};
-    for (int t = 0; t < T; t++) kv_write(&c, (size_t)slots[t] * Hkv, x + (size_t)t * Hkv * D, Hkv, D);
+#pragma omp parallel for schedule(static) if (T >= 64)
+    for (int t = 0; t < T; t++) kv_write(&c, (size_t)slots[t] * Hkv, x + (size_t)t * x_ld, Hkv, D);
 }
 
 // Rows of tokens t0 .. t0 + cnt - 1 of KV head h as D floats each, row j at the pointer returned
@@ -1713,28 +1741,6 @@ void xinfer_paged_prefill(const float *q, int64_t q_ld, void *kc, void *vc, floa
     }
 }
 
-// bfloat16 <-> float32, VW values: widening is exact; narrowing rounds to nearest-even as torch does.
-#if VW == 16
-static inline vf bf16_load(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-static inline void bf16_store(uint16_t *p, vf x) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
-}
-#else
-static inline vf bf16_load(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-static inline void bf16_store(uint16_t *p, vf x) {
-    const __m256i u = _mm256_castps_si256(x);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08)));
-}
-#endif
 
 // out [T, I] = silu(gate) * up for rows [gate | up] of gu [T, 2 I] (a gate/up projection's output):
 // float32, or bfloat16 in and out (computed in float32, rounded once). I a multiple of VW.

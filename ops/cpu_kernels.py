@@ -75,7 +75,7 @@ def lib():
     so.xinfer_rope.argtypes = [p, p, p, p, p, i, i, i, i, i, ctypes.c_int64, ctypes.c_int64]
     so.xinfer_decode.argtypes = [p, p, p, i, p, p, p, i, p]
     so.xinfer_attn_width.argtypes = []
-    so.xinfer_kv_store.argtypes = [p, p, i, p, p, i, i, i, i, p, p, p, p]
+    so.xinfer_kv_store.argtypes = [p, p, i, p, p, ctypes.c_int64, i, i, i, i, p, p, p, p]
     return so
 
 

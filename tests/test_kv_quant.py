@@ -125,8 +125,8 @@ def test_c_writes_the_bytes_torch_writes(name):
     kv_quant.store(x, want, slots)
     sc = kv_quant.scales(got)
     cpu_kernels.lib().xinfer_kv_store(got.data_ptr(), None if sc is None else sc.data_ptr(), kv_quant.C_KINDS[dtype],
-                                      slots.data_ptr(), x.contiguous().data_ptr(), len(x), 2, 64, 0, None, None, None,
-                                      None)
+                                      slots.data_ptr(), x.contiguous().data_ptr(), 128, len(x), 2, 64, 0, None, None,
+                                      None, None)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     if sc is not None:
         assert torch.equal(sc, kv_quant.scales(want))
@@ -146,7 +146,7 @@ def test_c_writes_turbo_rows_as_torch_does(name, shifted):
     kv_quant.store(x, want, slots)
     bits, *ptrs = kv_quant.turbo_args(got)
     cpu_kernels.lib().xinfer_kv_store(got.data_ptr(), got.kv_scale.data_ptr(), kv_quant.TURBO_KIND, slots.data_ptr(),
-                                      x.contiguous().data_ptr(), len(x), 2, 64, bits,
+                                      x.contiguous().data_ptr(), 128, len(x), 2, 64, bits,
                                       *[None if t is None else t.data_ptr() for t in ptrs])
     all_slots = torch.arange(48)
     codes = [turbo_quant._unpack(c.view(48, 2, -1), bits) for c in (got, want)]
@@ -401,9 +401,10 @@ def test_greedy_unchanged_by_prefix_cache_and_preemption(smollm_path, name):
     batch, writes K/V from other arithmetic: float32 values a rounding apart, which land in another
     quantization step now and then: fp8 moves logits by ~0.01-0.15 (on Zen 3 the third prompt's first token
     is a tie 0.014 nats apart when the three prompts are prefilled together; on Zen 4, with prefill attention
-    in C, a 0.148 tie flipped at the last of 40 tokens), turbo4's 4-bit steps by ~0.1-0.3 (a 0.29 tie
-    flipped at token 23 there).)"""
-    gap = {"fp8": 0.2, "turbo4": 0.4}[name]
+    in C, a 0.148 tie flipped at the last of 40 tokens, and with RMSNorm's sum of squares in vector lanes
+    a 0.31 one, again at the last token), turbo4's 4-bit steps by ~0.1-0.3 (a 0.29 tie flipped at token 23
+    there).)"""
+    gap = {"fp8": 0.35, "turbo4": 0.4}[name]
     chats = [[{"role": "user", "content": q}] for q in ("What is the capital of France?",
                                                         "Write a short poem about the sea.",
                                                         "List three prime numbers.")]
