@@ -182,11 +182,13 @@ class TorchBackend(AttentionBackend):
                                          sliding_window or 0, softcap or 0.0, *_c_turbo(k_cache))
         if plan["decode_c"] is not None:
             rows, every_row, tables, lens = plan["decode_c"]
-            qd = (q if every_row else q[rows]).contiguous()
-            od = torch.empty_like(qd)
-            self._c.xinfer_paged_decode(qd.data_ptr(), *_c_caches(k_cache, v_cache), tables.data_ptr(), tables.shape[1],
-                                        lens.data_ptr(), od.data_ptr(), qd.shape[0], qd.shape[1], hkv, d, bs, scale,
-                                        sliding_window or 0, softcap or 0.0, *_c_turbo(k_cache))
+            qd = q if every_row else q[rows]
+            if qd.stride()[1:] != (d, 1):
+                qd = qd.contiguous()
+            od = torch.empty(qd.shape, dtype=qd.dtype)
+            self._c.xinfer_paged_decode(qd.data_ptr(), qd.stride(0), *_c_caches(k_cache, v_cache), tables.data_ptr(),
+                                        tables.shape[1], lens.data_ptr(), od.data_ptr(), qd.shape[0], qd.shape[1], hkv,
+                                        d, bs, scale, sliding_window or 0, softcap or 0.0, *_c_turbo(k_cache))
             if every_row:
                 return od
             out[rows] = od

@@ -1543,10 +1543,10 @@ static int max_len(const int32_t *lens, int B) {
 
 int xinfer_attn_width(void) { return VW; }  // head sizes the C attention takes: multiples of this
 
-// q [B, Hq, D] contiguous, caches [blocks, bs, Hkv, D] of `kind` (fp8: with their scales, turbo: with
+// q [B, Hq, D] (rows q_ld floats apart, heads packed), caches [blocks, bs, Hkv, D] of `kind` (fp8: with their scales, turbo: with
 // their lengths, else NULL; turbo: `bits` and `levels` too, and q and out in its rotated frame),
 // tables [B, table_stride] int32, lens [B] int32, out [B, Hq, D].
-void xinfer_paged_decode(const float *q, void *kc, void *vc, float *k_scale, float *v_scale,
+void xinfer_paged_decode(const float *q, int64_t q_ld, void *kc, void *vc, float *k_scale, float *v_scale,
                          int kind, const int32_t *tables, int table_stride, const int32_t *lens, float *out, int B,
                          int Hq, int Hkv, int D, int bs, float scale, int window, float softcap, int bits,
                          const float *levels) {
@@ -1555,7 +1555,7 @@ void xinfer_paged_decode(const float *q, void *kc, void *vc, float *k_scale, flo
     const int S = attn_splits(B, max_len(lens, B));
     float *part = S > 1 ? malloc(sizeof(float) * (size_t)B * Hq * S * (D + 2)) : NULL;
 #pragma omp parallel
-    attend_team(q, (int64_t)Hq * D, &k, &v, tables, table_stride, lens, out, B, Hq, Hkv, D, bs, scale, window,
+    attend_team(q, q_ld, &k, &v, tables, table_stride, lens, out, B, Hq, Hkv, D, bs, scale, window,
                 softcap, S, part);
     free(part);
 }

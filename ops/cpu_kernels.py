@@ -68,7 +68,7 @@ def lib():
     so.xinfer_panels8.argtypes = [p, p, p, i, i, i, p, p, p]
     so.xinfer_q8_mm.argtypes = [p, p, p, i, p, p, i, i, i, i, p, p, p, p]
     so.xinfer_panels_i16.argtypes = [p, i, i, i, p]
-    so.xinfer_paged_decode.argtypes = [p, p, p, p, p, i, p, i, p, p, i, i, i, i, i, f, i, f, i, p]
+    so.xinfer_paged_decode.argtypes = [p, ctypes.c_int64, p, p, p, p, i, p, i, p, p, i, i, i, i, i, f, i, f, i, p]
     so.xinfer_paged_prefill.argtypes = [p, ctypes.c_int64, p, p, p, p, i, p, i, p, p, p, p, i, i, i, i, i, f, i, f, i, p]
     so.xinfer_silu_mul.argtypes = [p, p, i, i, i]
     so.xinfer_add_rmsnorm.argtypes = [p, i, p, p, p, i, i, i, f, f]

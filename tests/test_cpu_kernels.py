@@ -185,6 +185,7 @@ def test_paged_decode_matches_gather_sdpa(window, softcap):
     # empty under the window)
     for lens, qlens in [([1, 7, 16, 33], [1, 1, 1, 1]), ([9, 20, 3], [1, 6, 1]), ([300], [1]), ([70], [1])]:
         q, kc, vc, meta = _paged_case(len(lens), lens, qlens)
+        q = torch.cat([q, torch.randn(q.shape[0], 2, q.shape[2])], 1)[:, :q.shape[1]]  # a view into a QKV output
         want = plain.forward(q, kc, vc, _plain_meta(meta), 0.125, window, softcap)
         got = fused.forward(q, kc, vc, meta, 0.125, window, softcap)
         assert meta.cache["torch"]["decode_c"] is not None
@@ -203,6 +204,7 @@ def test_paged_decode_bf16_dot_products(window, softcap, hq, hkv, d):
     plain._c = None
     for lens in ([1, 7, 16, 33], [300], [70, 129]):
         q, kc, vc, meta = _paged_case(len(lens), lens, [1] * len(lens), hq=hq, hkv=hkv, d=d)
+        q = torch.cat([q, torch.randn(q.shape[0], 2, d)], 1)[:, :hq]  # a view into a QKV output
         kc, vc = kc.bfloat16(), vc.bfloat16()
         want = plain.forward(q, kc, vc, _plain_meta(meta), 0.125, window, softcap)
         got = fused.forward(q, kc, vc, meta, 0.125, window, softcap)
