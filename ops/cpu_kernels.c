@@ -1105,7 +1105,8 @@ void xinfer_kv_store(void *data, float *scale, int kind, const int64_t *slots, c
                      const float *shift) {
     const xq_kv c = {data, scale, kind, bits, levels, mids, rot, shift};
 #pragma omp parallel for schedule(static) if (T >= 64)
-    for (int t = 0; t < T; t++) kv_write(&c, (size_t)slots[t] * Hkv, x + (size_t)t * x_ld, Hkv, D);
+    for (int t = 0; t < T; t++)
+        if (slots[t] >= 0) kv_write(&c, (size_t)slots[t] * Hkv, x + (size_t)t * x_ld, Hkv, D);  // -1: a padding row
 }
 
 // Rows of tokens t0 .. t0 + cnt - 1 of KV head h as D floats each, row j at the pointer returned

@@ -112,6 +112,28 @@ def _grid_ties(dtype):
     return torch.cat([torch.full((3, 1), torch.finfo(dtype).max), mid], 1).view(3, 1, 64)
 
 
+@pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels do not build here (no C compiler, neither AVX-512 nor AVX2, or XINFER_CPU_KERNELS=0); the torch path, tested above, writes instead")
+@pytest.mark.parametrize("name", ["bf16", "fp8_e4m3", "auto"])
+def test_backend_stores_through_c_and_skips_padding_rows(name):
+    """TorchBackend.store_kv hands float32 K/V rows (views into a QKV output) to the C store: the bytes
+    kv_quant.store writes; a padding row (slot -1, as decode-graph padding marks them) writes nothing."""
+    dtype = kv_quant.storage_dtype(name, torch.float32)
+    qkv = torch.cat([_heads(t=40, h=2), _heads(t=40, h=2, seed=1), torch.randn(40, 3, 64)], 1)
+    k, v = qkv[:, :2], qkv[:, 2:4]  # row stride 7 heads, as split out of a projection's output
+    slots = torch.randperm(48)[:40]
+    slots[[3, 17]] = -1
+    got = [kv_quant.alloc((12, 4, 2, 64), dtype, "cpu") for _ in "kv"]
+    want = [kv_quant.alloc((12, 4, 2, 64), dtype, "cpu") for _ in "kv"]
+    TorchBackend().store_kv(k, v, *got, slots)
+    keep = slots >= 0
+    for x, w in zip((k, v), want):
+        kv_quant.store(x[keep].contiguous(), w, slots[keep])
+    for g, w in zip(got, want):
+        assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
+        if kv_quant.scales(w) is not None:
+            assert torch.equal(kv_quant.scales(g), kv_quant.scales(w))
+
+
 @pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels do not build here (no C compiler, neither AVX-512 nor AVX2, or XINFER_CPU_KERNELS=0); the torch path, tested above, reads the quantized cache instead")
 @pytest.mark.parametrize("name", ALL)
 def test_c_writes_the_bytes_torch_writes(name):

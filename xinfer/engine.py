@@ -9,7 +9,6 @@ from typing import Iterator
 import numpy as np
 
 from xinfer import parallel, spec
-from xinfer.process import freeze_heap
 from xinfer.config import EngineConfig
 from xinfer.detokenizer import IncrementalDetokenizer
 from xinfer.engine_core import Delta, EngineCore
@@ -19,6 +18,7 @@ from xinfer.loader import load_model_info
 from xinfer.mm import processor_for
 from xinfer.mm.base import PromptImageError
 from xinfer.mm.chat import chat_prompt
+from xinfer.process import freeze_heap
 from xinfer.sampling_params import SamplingParams, check_request, embedding_params, tokenize_bad_words
 from xinfer.scheduler import Sequence
 from xinfer.structured import check as check_structured
