@@ -44,6 +44,7 @@ class SamplingBatch:
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None  # rows restricted to these (row, token id) pairs
     grammar: tuple[torch.Tensor, torch.Tensor] | None = None  # rows, int32 bitmask words [R, ceil(V/32)]
     top_k_max: int = 0  # the largest top_k of a row that has one (host side: no sync to size the candidates)
+    any_zero_temp: bool = True  # a row at temperature 0 (host side): False skips their argmax over the batch
 
 
 def allowed_by_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -176,8 +177,9 @@ def sample(logits: torch.Tensor, b: SamplingBatch):
         temp = b.temperature.clamp(min=1e-5)[:, None]
         probs = _filter(torch.softmax(logits / temp, dim=-1), b)
         tokens = draw(probs, uniforms(probs.shape[0], 1, b.seeds, probs.device))
-        # no host check of whether any row is greedy: it would wait for the device (pipeline.py)
-        tokens = torch.where(b.temperature == 0, logits.argmax(dim=-1), tokens)
+        # the host's flag, not a check of the tensor: that would wait for the device (pipeline.py)
+        if b.any_zero_temp:
+            tokens = torch.where(b.temperature == 0, logits.argmax(dim=-1), tokens)
     if b.num_logprobs is None:
         return tokens, None
     return tokens, logprobs_of(raw, tokens, b.num_logprobs)

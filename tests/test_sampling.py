@@ -129,3 +129,17 @@ def test_candidates_give_the_full_sort_nucleus():
         got = S._filter(probs.clone(), b)
         assert torch.allclose(got, want, atol=1e-7), (k is None, p is None)
     assert torch.equal(S._filter(probs.clone(), batch(6, top_k=top_k, top_p=top_p, top_k_max=300))[4], probs[4])
+
+
+def test_greedy_rows_beside_sampled_ones_and_the_hosts_flag():
+    """A temperature-0 row in a sampled batch takes its argmax; the batch built from requests says on
+    the host whether it has one (none: the sampler skips that argmax, whose rows it would not use)."""
+    from xinfer.sampling_params import SamplingParams
+    from xinfer.workers.batch import WorkerSeq, sampling_batch
+    torch.manual_seed(0)
+    logits = torch.randn(3, V)
+    b = batch(3, temperature=torch.tensor([1.0, 0.0, 1.0]))
+    assert sample(logits, b)[0][1] == logits[1].argmax()
+    seqs = lambda *temps: [WorkerSeq([1, 2], 2, 2, [0], SamplingParams(temperature=t), None) for t in temps]  # noqa: E731
+    assert sampling_batch(seqs(1.0, 0.0), V, [], "cpu").any_zero_temp
+    assert not sampling_batch(seqs(1.0, 0.7), V, [], "cpu").any_zero_temp

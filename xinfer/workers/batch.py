@@ -123,4 +123,5 @@ def sampling_batch(seqs: list[WorkerSeq], vocab_size: int, eos_ids: list[int], d
         banned=(on_device(ban_rows, torch.long, dev), on_device(ban_ids, torch.long, dev)) if ban_rows else None,
         allowed=(on_device(ok_rows, torch.long, dev), on_device(ok_ids, torch.long, dev)) if ok_rows else None,
         seeds=seeds, all_greedy=all(p.greedy for p in ps), top_k_max=max((k for k in top_k if k < V), default=0),
+        any_zero_temp=any(p.temperature == 0.0 for p in ps),
         num_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=None))
