@@ -42,7 +42,7 @@ class RMSNorm(torch.nn.Module):
         if triton_fused.enabled(x) and (residual is None or residual.is_contiguous()):
             return triton_fused.add_rmsnorm(x, residual, self.weight, self.eps, self.offset), \
                 (x if residual is None else residual)
-        if residual is None and _can_fuse(x) or residual is not None and _can_fuse(residual) and _can_fuse(x, True):
+        if _can_fuse(x, bf16=residual is not None) and (residual is None or _can_fuse(residual)):
             return self._fused(x, residual, out_bf16), (x if residual is None else residual)
         residual = x if residual is None else x + residual
         return self(residual), residual

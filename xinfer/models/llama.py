@@ -180,7 +180,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers[lo:hi]:
             x, residual = layer(positions, x, residual)
         if not tp.last_stage():
-            tp.send_next(x.float(), residual)  # the last layer's output may be bfloat16 (DecoderLayer.bf16_io)
+            # the last layer's output may be bfloat16 (DecoderLayer.bf16_io); the next stage reads the model's dtype
+            tp.send_next(x.to(residual.dtype), residual)
             return None
         return self.model.norm.add_forward(x, residual)[0]
 
