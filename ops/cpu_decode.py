@@ -76,6 +76,8 @@ class CpuDecoder:
                             ly["scale"], ly["softcap"])
         self._layers = arr  # _Model points at it
         self.caches = [(ly["k_cache"], ly["v_cache"]) for ly in layers]
+        # the largest batch it takes: where its slowest weights' kernels give way to the GEMMs
+        self.max_rows = min(ly[k][0].max_rows for ly in layers for k in ("qkv", "o", "gate_up", "down"))
         self._model = _Model(len(layers), final_norm.shape[0], num_heads, num_kv_heads, head_dim,
                              layers[0]["gate_up"][0].shape[0] // 2, layers[0]["k_cache"].shape[1], eps, offset,
                              _ptr(final_norm), arr)

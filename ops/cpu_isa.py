@@ -73,11 +73,12 @@ def fast_matmul() -> str:
     return "bfloat16" if has_bf16() else "int16" if level() == "avx2" else "float32"
 
 
-def block_rows() -> int:
+def block_rows(bf16_panels: bool = False) -> int:
     """The largest batch the block kernels take (XINFER_QUANT_MAX_ROWS, else where the GEMMs were
     measured to catch up, bench/NOTES-cpu.md): 64 on AVX2, whose 8-column float32 panels beat its
-    float32 GEMMs there (the weights stream at a quarter of the bytes), 16 elsewhere."""
-    return envs.quant_max_rows() or (64 if level() == "avx2" else 16)
+    float32 GEMMs there (the weights stream at a quarter of the bytes), and for weights in bfloat16
+    panels below AMX (each panel rebuilt once a call whatever the rows); 16 elsewhere."""
+    return envs.quant_max_rows() or (64 if level() == "avx2" or (bf16_panels and level() != "amx") else 16)
 
 
 def describe(matmul: str, blocks: bool, bf16_dots: bool = False) -> str:
@@ -88,5 +89,5 @@ def describe(matmul: str, blocks: bool, bf16_dots: bool = False) -> str:
         (" (16-bit integer activations: the blocks' own integers up to 3 rows, then the integers widened to 16"
          " bits in panels)" if level() == "avx2" else " (16-bit integer activations up to 3 rows)") if matmul == "int16" \
         else ""
-    small = f"GGUF block kernels{dots} up to {block_rows()} rows, then " if blocks else ""
+    small = f"GGUF block kernels{dots} up to {block_rows(matmul == 'bfloat16' and bf16_dots)} rows, then " if blocks else ""
     return f"cpu {level()}: decode {small}{big}; batched decode and prefill: {big}"

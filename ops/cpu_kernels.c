@@ -163,45 +163,140 @@ static inline __attribute__((always_inline)) void q8_rows_bf16(const int8_t *qs,
 // conversions, two FMAs and one rounding make the bfloat16 weights (the same values as the
 // q4_block_bf16 / q8_block ones), which every row then uses: one weight stream a thread, read once
 // a call, and no horizontal sums.
-static inline __attribute__((always_inline)) void panel_dot(const uint8_t *q, const float *dn, const float *mn,
-                                                           const uint16_t *xb, float *y, int K, int ldy,
-                                                           const float *bias, int kind, int rows) {
-    const __m512i lo = _mm512_set1_epi32(0x0F);
-    const __m512i dup0 = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    const __m512i dup1 = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
-    const uint32_t *x2 = (const uint32_t *)xb;  // the rows' bfloat16 values in pairs
-    const int nb = K / 32, kp = K / 2;
-    __m512 acc[16];
-    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        const __m512 d = _mm512_loadu_ps(dn + b * 16), m = _mm512_loadu_ps(mn + b * 16);
-        const __m512 d0 = _mm512_permutexvar_ps(dup0, d), d1 = _mm512_permutexvar_ps(dup1, d);
-        const __m512 m0 = _mm512_permutexvar_ps(dup0, m), m1 = _mm512_permutexvar_ps(dup1, m);
-        for (int p = 0; p < 16; p++) {
-            __m512i i0, i1;
-            if (kind == 0) {
-                const __m512i w8 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + ((size_t)b * 16 + p) * 16)));
-                i0 = _mm512_and_si512(w8, lo), i1 = _mm512_srli_epi32(w8, 4);
-            } else {
-                const int8_t *w8 = (const int8_t *)q + ((size_t)b * 16 + p) * 32;
-                i0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w8));
-                i1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w8 + 16)));
-            }
-            const __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), d0, m0);
-            const __m512 c = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), d1, m1);
-            const __m512bh w = _mm512_cvtne2ps_pbh(c, a);
-            for (int r = 0; r < rows; r++)
-                acc[r] = _mm512_dpbf16_ps(acc[r], w, (__m512bh)_mm512_set1_epi32((int)x2[(size_t)r * kp + b * 16 + p]));
-        }
+// Panel p of block b's 32 bfloat16 weights (d0 / m0: columns 0-7's scales and offsets, each twice;
+// d1 / m1: columns 8-15's).
+static inline __attribute__((always_inline)) __m512bh panel_weights(const uint8_t *q, int kind, int b, int p,
+                                                                    __m512 d0, __m512 d1, __m512 m0, __m512 m1) {
+    __m512i i0, i1;
+    if (kind == 0) {
+        const __m512i w8 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + ((size_t)b * 16 + p) * 16)));
+        i0 = _mm512_and_si512(w8, _mm512_set1_epi32(0x0F)), i1 = _mm512_srli_epi32(w8, 4);
+    } else {
+        const int8_t *w8 = (const int8_t *)q + ((size_t)b * 16 + p) * 32;
+        i0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w8));
+        i1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w8 + 16)));
     }
+    const __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), d0, m0);
+    const __m512 c = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), d1, m1);
+    return _mm512_cvtne2ps_pbh(c, a);
+}
+
+// Calls panel_weights for every (block, pair) of a panel (q and kind: the caller's): BODY sees b, p and w.
+#define PANEL_FOR_EACH(dn, mn, nb, BODY)                                                                   \
+    do {                                                                                                   \
+        const __m512i dup0 = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);            \
+        const __m512i dup1 = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15); \
+        for (int b = 0; b < (nb); b++) {                                                                   \
+            const __m512 d = _mm512_loadu_ps((dn) + b * 16), m = _mm512_loadu_ps((mn) + b * 16);           \
+            const __m512 d0 = _mm512_permutexvar_ps(dup0, d), d1 = _mm512_permutexvar_ps(dup1, d);         \
+            const __m512 m0 = _mm512_permutexvar_ps(dup0, m), m1 = _mm512_permutexvar_ps(dup1, m);         \
+            for (int p = 0; p < 16; p++) {                                                                 \
+                const __m512bh w = panel_weights(q, kind, b, p, d0, d1, m0, m1);                           \
+                BODY;                                                                                      \
+            }                                                                                              \
+        }                                                                                                  \
+    } while (0)
+
+#define PANEL_ROWS 16  // rows a pass: 16 accumulators
+
+// acc[r] += row r's inputs (2p, 2p + 1) times w; xt: a pass's rows pair by pair (panel_acts), so the
+// 16 broadcasts come from one line.
+#define PANEL_DOTS(acc, w, xt, p, rows) \
+    for (int r = 0; r < (rows); r++)    \
+    acc[r] = _mm512_dpbf16_ps(acc[r], w, (__m512bh)_mm512_set1_epi32((int)(xt)[(size_t)(p) * PANEL_ROWS + r]))
+
+// r[c] = the 16 rows' value c: a 16 x 16 transpose of 32-bit values.
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2)
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    for (int i = 0; i < 16; i += 4) {  // u[i + e]: rows i .. i + 3's value 4l + e in 128-bit lane l
+        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]), u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]), u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int e = 0; e < 4; e++) {
+        const __m512i a = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x44), b = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xEE);
+        const __m512i c = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44), d = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xEE);
+        r[e] = _mm512_shuffle_i32x4(a, c, 0x88), r[4 + e] = _mm512_shuffle_i32x4(a, c, 0xDD);
+        r[8 + e] = _mm512_shuffle_i32x4(b, d, 0x88), r[12 + e] = _mm512_shuffle_i32x4(b, d, 0xDD);
+    }
+}
+
+// The rows x [M, K] rounded to bfloat16 as the panels read them: pass by pass (PANEL_ROWS rows), pair
+// of inputs by pair, the pass's rows side by side (zeros past M).
+static uint32_t *panel_acts(const float *x, int M, int K) {
+    const int kp = K / 2, np = (M + PANEL_ROWS - 1) / PANEL_ROWS;
+    uint32_t *xt = aligned_alloc(64, sizeof(uint32_t) * (size_t)np * kp * PANEL_ROWS);
+    for (int i = 0; i < np; i++)
+        for (int p0 = 0; p0 < kp; p0 += 16) {
+            __m512i r[16];
+            for (int j = 0; j < 16; j++) {
+                const float *xr = x + (size_t)(i * PANEL_ROWS + j) * K + 2 * p0;
+                r[j] = i * PANEL_ROWS + j < M ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + 16), _mm512_loadu_ps(xr))
+                                              : _mm512_setzero_si512();
+            }
+            transpose16(r);
+            for (int c = 0; c < 16; c++) _mm512_store_si512(xt + ((size_t)i * kp + p0 + c) * PANEL_ROWS, r[c]);
+        }
+    return xt;
+}
+
+static inline __attribute__((always_inline)) void panel_store(const __m512 *acc, float *y, int ldy, const float *bias,
+                                                              int rows) {
     const __m512 bv = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + (size_t)r * ldy, _mm512_add_ps(acc[r], bv));
 }
 
-#define PANEL_ROWS 16  // rows a pass: 16 accumulators
-static void panel_rows(const uint8_t *q, const float *dn, const float *mn, const uint16_t *xb, float *y, int K,
+// Weights in 16-column panels (xinfer_panels), for the bfloat16 kernels: per 16 output columns,
+// per 32-weight block, per pair of inputs (k, k + 1), the 32 weights of one dot-product
+// instruction: lanes 0-15 are columns 0-7 (k and k + 1 side by side), lanes 16-31 columns 8-15.
+// q4 (kind 0): 16 bytes, lane j in byte j's low nibble and lane 16 + j in its high one; q8 (1): 32
+// signed bytes. d and m per (panel, block) as 16 floats (m 0 for q8 without offsets). Integer
+// conversions, two FMAs and one rounding make the bfloat16 weights (the same values as the
+// q4_block_bf16 / q8_block ones), which every row then uses: one weight stream a thread, read once
+// a call, and no horizontal sums.
+static inline __attribute__((always_inline)) void panel_dot(const uint8_t *q, const float *dn, const float *mn,
+                                                           const uint32_t *xt, float *y, int K, int ldy,
+                                                           const float *bias, int kind, int rows) {
+    __m512 acc[PANEL_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    PANEL_FOR_EACH(dn, mn, K / 32, PANEL_DOTS(acc, w, xt, b * 16 + p, rows));
+    panel_store(acc, y, ldy, bias, rows);
+}
+
+// A panel's bfloat16 weights written out once (K / 2 vectors) for batches of several passes: each
+// pass then reads them back instead of rebuilding them.
+static void panel_unpack(const uint8_t *q, const float *dn, const float *mn, int K, int kind, __m512bh *wb) {
+    PANEL_FOR_EACH(dn, mn, K / 32, wb[b * 16 + p] = w);
+}
+
+// panel_dot on unpacked weights (panel_unpack).
+static inline __attribute__((always_inline)) void panel_dot_bf16(const __m512bh *wb, const uint32_t *xt, float *y,
+                                                                 int K, int ldy, const float *bias, int rows) {
+    __m512 acc[PANEL_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int p = 0; p < K / 2; p++) {
+        const __m512bh w = wb[p];
+        PANEL_DOTS(acc, w, xt, p, rows);
+    }
+    panel_store(acc, y, ldy, bias, rows);
+}
+
+static void panel_rows(const uint8_t *q, const float *dn, const float *mn, const uint32_t *xb, float *y, int K,
                        int ldy, const float *bias, int kind, int rows) {
 #define QP(R) (kind == 0 ? panel_dot(q, dn, mn, xb, y, K, ldy, bias, 0, R) : panel_dot(q, dn, mn, xb, y, K, ldy, bias, 1, R))
+    switch (rows) {
+    case 1: QP(1); break; case 2: QP(2); break; case 3: QP(3); break; case 4: QP(4); break;
+    case 5: QP(5); break; case 6: QP(6); break; case 7: QP(7); break; case 8: QP(8); break;
+    case 9: QP(9); break; case 10: QP(10); break; case 11: QP(11); break; case 12: QP(12); break;
+    case 13: QP(13); break; case 14: QP(14); break; case 15: QP(15); break; default: QP(16);
+    }
+#undef QP
+}
+
+static void panel_rows_bf16(const __m512bh *wb, const uint32_t *xb, float *y, int K, int ldy, const float *bias,
+                            int rows) {
+#define QP(R) panel_dot_bf16(wb, xb, y, K, ldy, bias, R)
     switch (rows) {
     case 1: QP(1); break; case 2: QP(2); break; case 3: QP(3); break; case 4: QP(4); break;
     case 5: QP(5); break; case 6: QP(6); break; case 7: QP(7); break; case 8: QP(8); break;
@@ -643,23 +738,33 @@ static void mm_team(const xq_linear *w, const float *x, float *y, int M, kv_pf *
     }
 #if HAS_BF16
     // each thread rounds the rows itself (M * K values): no barrier, no shared buffer
-    uint16_t *xb = w->prec == PREC_BF16 ? malloc(sizeof(uint16_t) * (size_t)M * w->K) : NULL;
-    if (xb) to_bf16(x, xb, M * w->K);
-    const int mr = xb ? MRB : MR;
-    if (xb && w->pq) {
+    if (w->prec == PREC_BF16 && w->pq) {
         const int nb = w->K / 32;
+        // several passes: a panel's weights are rebuilt once, into wb, and read back by every pass
+        __m512bh *wb = M > PANEL_ROWS ? aligned_alloc(64, sizeof(__m512bh) * (size_t)w->K / 2) : NULL;
+        uint32_t *xt = panel_acts(x, M, w->K);
 #pragma omp for schedule(static)
         for (int g = 0; g < w->N / 16; g++) {
-            for (int m0 = 0; m0 < M; m0 += PANEL_ROWS)
-                panel_rows(w->pq + (size_t)g * (w->kind ? 16 : 8) * w->K, w->pd + (size_t)g * nb * 16,
-                           w->pm + (size_t)g * nb * 16, xb + (size_t)m0 * w->K, y + (size_t)m0 * w->N + g * 16, w->K,
-                           w->N, w->bias ? w->bias + g * 16 : NULL, w->kind, M - m0 < PANEL_ROWS ? M - m0 : PANEL_ROWS);
+            const uint8_t *q = w->pq + (size_t)g * (w->kind ? 16 : 8) * w->K;
+            const float *dn = w->pd + (size_t)g * nb * 16, *mn = w->pm + (size_t)g * nb * 16;
+            const float *bias = w->bias ? w->bias + g * 16 : NULL;
+            if (wb) panel_unpack(q, dn, mn, w->K, w->kind, wb);
+            for (int m0 = 0; m0 < M; m0 += PANEL_ROWS) {
+                const int rows = M - m0 < PANEL_ROWS ? M - m0 : PANEL_ROWS;
+                float *yg = y + (size_t)m0 * w->N + g * 16;
+                const uint32_t *xp = xt + (size_t)m0 * w->K / 2;
+                if (wb) panel_rows_bf16(wb, xp, yg, w->K, w->N, bias, rows);
+                else panel_rows(q, dn, mn, xp, yg, w->K, w->N, bias, w->kind, rows);
+            }
             if (pf)
                 for (int i = 0; i < 16; i++) pf_step(pf);  // as often as the row loop below would
         }
-        free(xb);
+        free(wb), free(xt);
         return;
     }
+    uint16_t *xb = w->prec == PREC_BF16 ? malloc(sizeof(uint16_t) * (size_t)M * w->K) : NULL;
+    if (xb) to_bf16(x, xb, M * w->K);
+    const int mr = xb ? MRB : MR;
 #else
     const int mr = MR;
 #endif

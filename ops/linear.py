@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ops.quant import MAX_ROWS
 from xinfer import envs
 
 _ONEDNN = (envs.onednn() and torch.backends.mkldnn.is_available()
@@ -45,7 +44,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     bfloat16 (it also takes bfloat16 activations as they are), else float32. `out_bf16`: where a
     bfloat16 `fast` runs, leave the output in bfloat16 (what the next bfloat16 GEMM reads anyway: no
     cast back and forth)."""
-    if blocks is not None and 0 < x.shape[0] <= MAX_ROWS and x.dim() == 2 \
+    if blocks is not None and 0 < x.shape[0] <= blocks.max_rows and x.dim() == 2 \
             and x.dtype in (torch.float32, torch.bfloat16):
         y = blocks(x.float())
         return y if bias is None else y.add_(bias)

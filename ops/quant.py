@@ -3,7 +3,7 @@
 A decode step at small batch reads every weight once and does little with it, so it is bound by
 memory: Q4_1 is 6 bits a weight here (nibbles plus float32 d and m per 32) against float32's 32.
 `QuantWeight` holds a linear's blocks next to its float32 weight; `linear()` sends batches of up to
-`MAX_ROWS` rows to the kernel and bigger ones to oneDNN's float32 GEMM, which is faster once the
+its `max_rows` rows to the kernel and bigger ones to oneDNN's GEMM, which is faster once the
 weights are reused across many rows. The kernel rebuilds each weight exactly as the GGUF reference
 dequantizes it, so the two paths agree to float32 rounding.
 
@@ -22,7 +22,6 @@ from ops import cpu_isa
 from ops.cpu_kernels import has_bf16, lib, simd_width
 from xinfer.loader.gguf_file import BLOCK_TYPES
 
-MAX_ROWS = cpu_isa.block_rows()
 MATMULS = ("float32", "bfloat16", "int16")  # --cpu-matmul's settings, in the kernels' PREC_* order
 PREC = {m: i for i, m in enumerate(MATMULS)}
 
@@ -80,14 +79,16 @@ class QuantWeight:
         self.prec = 0  # the kernels' arithmetic: PREC's value for --cpu-matmul (ops/cpu_kernels.c)
         self.panels = None  # bfloat16: (bytes, d, m) in 16-column panels (ops/cpu_kernels.c panel_dot)
         self.wide = None  # int16 on AVX2: the integers widened to 16 bits in 8-column panels (mm_i16p), 2 B a weight
+        self.max_rows = cpu_isa.block_rows()  # the largest batch linear() sends here (use() sets it)
 
     def use(self, matmul: str) -> None:
         """--cpu-matmul: float32 (exact weights, float32 sums), bfloat16 (rounded, where the CPU has
         the dot products) or int16 (activations quantized per 32 values to 16 bits). In bfloat16, q4 weights and
-        q8 ones with one scale a block also get their panels, which every batch up to MAX_ROWS reads
+        q8 ones with one scale a block also get their panels, which every batch up to `max_rows` reads
         (one row too: one stream a thread, measured faster in bench/NOTES-cpu.md)."""
         self.prec = PREC[matmul]
         self.wide = None
+        self.max_rows = cpu_isa.block_rows()
         n, k = self.shape
         # bfloat16 panels of 16 columns where the CPU has its dot products; float32 ones of 8 in the
         # AVX2 build (the AVX-512 build keeps its row kernels there)
@@ -96,11 +97,12 @@ class QuantWeight:
             self.panels = None
             return
         kind = 0 if self.kind == "q4" else 1
-        # int16 in the AVX2 build: past INT16_ROWS (up to MAX_ROWS) the batches read the widened integers,
+        # int16 in the AVX2 build: past INT16_ROWS (up to max_rows) the batches read the widened integers,
         # and the 8-column panels only lend their scales
         wide = matmul == "int16" and width == 8
         self.panels = (None if wide else torch.zeros(n * k // (2 - kind), dtype=torch.uint8),
                        torch.empty(n * k // 32), torch.empty(n * k // 32))
+        self.max_rows = cpu_isa.block_rows(bf16_panels=width == 16)
         build = lib().xinfer_panels if width == 16 else lib().xinfer_panels8
         build(self.qs.data_ptr(), self.d.data_ptr(), None if self.m is None else self.m.data_ptr(), kind, n, k,
               *(None if t is None else t.data_ptr() for t in self.panels))

@@ -17,7 +17,7 @@ from ops import cpu_isa, cpu_kernels
 from ops.attention import AttnMetadata, TorchBackend
 from ops.linear import linear
 from ops.norm import RMSNorm
-from ops.quant import MAX_ROWS, QuantWeight
+from ops.quant import QuantWeight
 from xinfer.loader.gguf_file import BLOCK_TYPES
 from ops.rotary import RotaryEmbedding, _apply
 
@@ -63,10 +63,10 @@ def test_blocks_dequantize_exactly_like_gguf(type_name):
 def test_block_matmul_matches_float32(type_name):
     q, ref = _blocks(type_name)
     bias = torch.randn(ref.shape[0])
-    for rows in [1, 2, 3, 4, 5, MAX_ROWS, MAX_ROWS + 1, 33]:
+    for rows in [1, 2, 3, 4, 5, q.max_rows, q.max_rows + 1, 33]:
         x = torch.randn(rows, ref.shape[1])
         want = x @ ref.T + bias
-        got = linear(x, ref, bias, q)  # MAX_ROWS + 1 and more: oneDNN on the float weight
+        got = linear(x, ref, bias, q)  # max_rows + 1 and more: oneDNN on the float weight
         torch.testing.assert_close(got, want, **SUM)
         torch.testing.assert_close(q(x), x @ ref.T, **SUM)  # the kernel at every size
 
@@ -80,7 +80,7 @@ def test_bf16_dot_products_match_rounded_float32(type_name):
     q, ref = _blocks(type_name)
     q.use("bfloat16")
     assert (q.panels is not None) == (q.gs == 1 and q.shape[0] % 16 == 0)  # what the panel kernel takes
-    for rows in [1, 2, 3, 5, 8, 9, 12, 17, 24]:
+    for rows in [1, 2, 3, 5, 8, 9, 12, 17, 24, 40, 64]:  # past 16: a panel rebuilt once for every 16-row pass
         x = torch.randn(rows, ref.shape[1])
         got = q(x)
         torch.testing.assert_close(got, x.bfloat16().float() @ ref.bfloat16().float().T, **SUM)
@@ -119,7 +119,7 @@ def test_int16_activations_match_their_reference(type_name, n):
     """--cpu-matmul int16: each block's integer products summed exactly, scaled once; within 2e-4 of
     float32 (relative, over the output: a draw with _blocks' outlier block came 1.04e-4 off). Up to 3 rows the blocks' own integers; past that, in the AVX2
     build, the integers widened in 8-column panels (16 columns a pass, and 8 where n leaves them: n = 40),
-    any number of rows (linear() sends up to MAX_ROWS), where a row's result does not depend on its neighbours."""
+    any number of rows (linear() sends up to max_rows), where a row's result does not depend on its neighbours."""
     q, ref = _blocks(type_name, n=n)
     q.use("int16")
     assert (q.wide is not None) == (cpu_kernels.simd_width() == 256 and q.gs == 1 and n % 8 == 0)
@@ -134,7 +134,7 @@ def test_int16_activations_match_their_reference(type_name, n):
         assert (got - want).norm() <= 2e-4 * want.norm()
         if rows > 3:
             assert torch.equal(q(x[-4:]), got[-4:])
-        if q.wide is not None and rows <= MAX_ROWS:  # what linear() sends to the blocks
+        if q.wide is not None and rows <= q.max_rows:  # what linear() sends to the blocks
             got = linear(x, torch.empty(0), bias, q)
             torch.testing.assert_close(got, _int16_reference(q, ref, x) + bias, **I16_SUM)
 
@@ -333,6 +333,30 @@ def test_one_call_decode_step_matches_the_op_by_op_path(arch, tmp_path):
     assert len(rows) == len(want_rows)
     worst = max((a - b).abs().max().item() for a, b in zip(rows, want_rows))
     assert worst < 1e-4, f"{arch}: max |logit diff| {worst:.2e}"
+
+
+@pytest.mark.skipif(not cpu_kernels.has_bf16(), reason="this build has no AVX512_BF16 dot products (the bf16 "
+                    "build test reruns this where the CPU has them)")
+def test_one_call_decode_step_bf16_up_to_64_rows():
+    """With bfloat16 panels the blocks take batches of up to 64 rows (ops/cpu_isa.block_rows), and so
+    does the one-call C step: against the per-op path on the same blocks, for one pass of 16 rows, two,
+    and four."""
+    from xinfer import Engine, EngineConfig
+    from xinfer.workers.batch import forward
+    e = Engine(EngineConfig(kv_cache_gb=0.15, cpu_matmul="bfloat16"), log_level="warning")
+    try:
+        r, model = e.runner, e.runner.model
+        assert model.head_blocks.max_rows == 64 and model.cpu_decoder().max_rows == 64
+        for n in (5, 24, 64):
+            rows = [(list(range(3 * i, 3 * i + 3)), 40, [100 + i]) for i in range(n)]  # 192 blocks of 218
+            outs = []
+            for fused in (True, False):
+                model._cpu_decoder = None if fused else False
+                with torch.inference_mode():
+                    outs.append(model.compute_logits(forward(model, r.backend, r.device, r.block_size, rows)))
+            assert (outs[0] - outs[1]).abs().max() < 1e-3, n
+    finally:
+        e.close()
 
 
 def test_the_build_is_the_one_asked_for():

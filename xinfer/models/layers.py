@@ -13,7 +13,7 @@ from ops import cpu_kernels, triton_fused
 from ops.attention import attend
 from ops.linear import linear, pack
 from ops.norm import RMSNorm
-from ops.quant import MAX_ROWS, QuantWeight
+from ops.quant import QuantWeight
 from ops.rotary import RotaryEmbedding
 from xinfer import parallel as tp
 from xinfer.loader.lazy import Lazy, materialize, reads_parts
@@ -93,8 +93,8 @@ class Linear(nn.Module):
 
     def reads_bf16(self, rows: int) -> bool:
         """A batch of `rows` goes to the bfloat16 weight, which rounds its input to bfloat16 first: a
-        bfloat16 input is the same numbers (ops/linear.py takes the blocks below MAX_ROWS)."""
-        return self.fast is not None and self.fast.dtype == torch.bfloat16 and (self.blocks is None or rows > MAX_ROWS)
+        bfloat16 input is the same numbers (ops/linear.py takes the blocks up to their max_rows)."""
+        return self.fast is not None and self.fast.dtype == torch.bfloat16 and (self.blocks is None or rows > self.blocks.max_rows)
 
     def forward(self, x, out_bf16: bool = False):
         if self.parallel != "row":

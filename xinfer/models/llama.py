@@ -10,7 +10,6 @@ from ops import cpu_decode, cpu_kernels, kv_quant
 from ops.attention import context
 from ops.linear import linear
 from ops.norm import RMSNorm
-from ops.quant import MAX_ROWS
 from ops.rotary import RotaryEmbedding
 from xinfer import parallel as tp
 from xinfer.models.layers import Attention, Embedding, GatedMLP, Linear, load_weights
@@ -159,10 +158,10 @@ class LlamaForCausalLM(nn.Module):
         if tp.stages() > 1:
             return self._stage_forward(input_ids, positions)
         meta, backend = context()
-        if (meta is not None and input_ids.shape[0] <= MAX_ROWS and meta.row_decode() is not None
-                and backend.name == "torch" and input_ids.device.type == "cpu"):
+        if (meta is not None and meta.row_decode() is not None and backend.name == "torch"
+                and input_ids.device.type == "cpu"):
             dec = self.cpu_decoder()
-            if dec is not None:
+            if dec is not None and input_ids.shape[0] <= dec.max_rows:
                 return dec(self.embed(input_ids), positions, meta)
         x, residual = self.embed(input_ids), None
         for layer in self.model.layers:

@@ -11,7 +11,7 @@ import torch
 
 from ops import cpu_isa, cpu_kernels
 from ops.attention import get_backend
-from ops.quant import MAX_ROWS, QuantWeight
+from ops.quant import QuantWeight
 from ops.sampling import on_device, sample
 from ops.speculative import verify
 from xinfer import envs, hybrid, spec
@@ -105,8 +105,7 @@ class ModelRunner:
         if kernels and info.kind == "gguf" and info.gguf.quantized:
             n = attach_blocks(model, ((name, QuantWeight.from_gguf(*b)) for name, *b in info.gguf.quantized_blocks(getattr(model, "keeps", None))),
                               model.remap)
-            log.info("GGUF blocks kept for %d weights (batches of up to %d rows read them)", n,
-                     MAX_ROWS)
+            log.info("GGUF blocks kept for %d weights (the small batches read them)", n)
         elif self.config.isq and kernels:
             if info.kind == "gguf":
                 log.info("--isq %s: %s is a GGUF file, its own tensor types stay", self.config.isq, info.name)
@@ -114,8 +113,8 @@ class ModelRunner:
                 apply_isq(model, self.config.isq, info.path if info.kind == "hf" else None)
         elif ckpt_blocks:
             n = attach_blocks(model, ckpt_blocks, model.remap)
-            log.info("%s: %d of %d quantized weights read in place by the block kernels (batches of up to %d rows)",
-                     info.quant.method, n, len(ckpt_blocks), MAX_ROWS)
+            log.info("%s: %d of %d quantized weights read in place by the block kernels (the small batches)",
+                     info.quant.method, n, len(ckpt_blocks))
         if self.device.type == "cpu" and self.dtype == torch.float32:
             attach_fast(model, self.config.cpu_matmul)
         return model
