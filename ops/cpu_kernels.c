@@ -748,7 +748,15 @@ static void mm_team(const xq_linear *w, const float *x, float *y, int M, kv_pf *
             const uint8_t *q = w->pq + (size_t)g * (w->kind ? 16 : 8) * w->K;
             const float *dn = w->pd + (size_t)g * nb * 16, *mn = w->pm + (size_t)g * nb * 16;
             const float *bias = w->bias ? w->bias + g * 16 : NULL;
-            if (wb) panel_unpack(q, dn, mn, w->K, w->kind, wb);
+            if (wb) {
+                // the next panel's bytes and scales toward L2 while this one's passes compute
+                const size_t qb = (size_t)(w->kind ? 16 : 8) * w->K, sb = sizeof(float) * (size_t)nb * 16;
+                if (g + 1 < w->N / 16)
+                    for (size_t i = 0; i < qb; i += 64) _mm_prefetch((const char *)(q + qb) + i, _MM_HINT_T1);
+                for (size_t i = 0; g + 1 < w->N / 16 && i < sb; i += 64)
+                    _mm_prefetch((const char *)(dn + nb * 16) + i, _MM_HINT_T1), _mm_prefetch((const char *)(mn + nb * 16) + i, _MM_HINT_T1);
+                panel_unpack(q, dn, mn, w->K, w->kind, wb);
+            }
             for (int m0 = 0; m0 < M; m0 += PANEL_ROWS) {
                 const int rows = M - m0 < PANEL_ROWS ? M - m0 : PANEL_ROWS;
                 float *yg = y + (size_t)m0 * w->N + g * 16;
@@ -2036,14 +2044,14 @@ void xinfer_decode(const xq_model *m, const float *x, float *out, int B, const i
                               L->k_shift, warm};
             const xq_kv vc = {L->v_cache, L->v_scale, L->kv_kind, L->kv_bits, L->levels, L->mids, L->rotation, NULL,
                               warm};
-#pragma omp single
+#pragma omp for schedule(static)
             for (int b = 0; b < B; b++)  // the first layer's residual is its input
                 add_rmsnorm_row(y + (size_t)b * H, 0, l ? res + (size_t)b * H : NULL, L->ln_in, h + (size_t)b * H, 0, H,
                                 m->eps, m->offset);
 #pragma omp single
             if (l == 0) memcpy(res, y, sizeof(float) * (size_t)B * H);
             mm_team(&L->qkv, h, qkv, B, NULL);
-#pragma omp single
+#pragma omp for schedule(static)
             for (int b = 0; b < B; b++) {
                 float *qb = qkv + (size_t)b * QKV, *kb = qb + (size_t)Hq * D, *vb = kb + (size_t)Hkv * D;
                 if (L->q_norm) {
@@ -2063,7 +2071,7 @@ void xinfer_decode(const xq_model *m, const float *x, float *out, int B, const i
                 for (int b = 0; b < B; b++) rotate_heads(L->rotation, att + (size_t)b * Hq * D, Hq, D, 1);  // and back
             }
             mm_team(&L->o, att, y, B, NULL);
-#pragma omp single
+#pragma omp for schedule(static)
             for (int b = 0; b < B; b++) {
                 if (L->attn_out_norm)
                     add_rmsnorm_row(y + (size_t)b * H, 0, NULL, L->attn_out_norm, y + (size_t)b * H, 0, H, m->eps, m->offset);
@@ -2092,12 +2100,12 @@ void xinfer_decode(const xq_model *m, const float *x, float *out, int B, const i
             }
             mm_team(&L->down, act, y, B, NULL);
             if (L->mlp_out_norm) {
-#pragma omp single
+#pragma omp for schedule(static)
                 for (int b = 0; b < B; b++)
                     add_rmsnorm_row(y + (size_t)b * H, 0, NULL, L->mlp_out_norm, y + (size_t)b * H, 0, H, m->eps, m->offset);
             }
         }
-#pragma omp single
+#pragma omp for schedule(static)
         for (int b = 0; b < B; b++)
             add_rmsnorm_row(y + (size_t)b * H, 0, res + (size_t)b * H, m->final_norm, out + (size_t)b * H, 0, H, m->eps,
                             m->offset);
