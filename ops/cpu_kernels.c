@@ -199,11 +199,11 @@ static inline __attribute__((always_inline)) __m512bh panel_weights(const uint8_
 
 #define PANEL_ROWS 16  // rows a pass: 16 accumulators
 
-// acc[r] += row r's inputs (2p, 2p + 1) times w; xt: a pass's rows pair by pair (panel_acts), so the
-// 16 broadcasts come from one line.
-#define PANEL_DOTS(acc, w, xt, p, rows) \
-    for (int r = 0; r < (rows); r++)    \
-    acc[r] = _mm512_dpbf16_ps(acc[r], w, (__m512bh)_mm512_set1_epi32((int)(xt)[(size_t)(p) * PANEL_ROWS + r]))
+// acc[r] += row r's inputs (2p, 2p + 1) times w; xt: a pass's rows pair by pair, ld apart (panel_acts),
+// so the broadcasts come from one line.
+#define PANEL_DOTS(acc, w, xt, ld, p, rows) \
+    for (int r = 0; r < (rows); r++)        \
+    acc[r] = _mm512_dpbf16_ps(acc[r], w, (__m512bh)_mm512_set1_epi32((int)(xt)[(size_t)(p) * (ld) + r]))
 
 // r[c] = the 16 rows' value c: a 16 x 16 transpose of 32-bit values.
 static inline void transpose16(__m512i r[16]) {
@@ -223,20 +223,29 @@ static inline void transpose16(__m512i r[16]) {
 }
 
 // The rows x [M, K] rounded to bfloat16 as the panels read them: pass by pass (PANEL_ROWS rows), pair
-// of inputs by pair, the pass's rows side by side (zeros past M).
-static uint32_t *panel_acts(const float *x, int M, int K) {
-    const int kp = K / 2, np = (M + PANEL_ROWS - 1) / PANEL_ROWS;
-    uint32_t *xt = aligned_alloc(64, sizeof(uint32_t) * (size_t)np * kp * PANEL_ROWS);
+// of inputs by pair, the pass's rows side by side, ld = min(M, PANEL_ROWS) apart (zeros past M). One
+// row is its own pairs.
+static uint32_t *panel_acts(const float *x, int M, int K, int *ld) {
+    const int kp = K / 2, np = (M + PANEL_ROWS - 1) / PANEL_ROWS, R = M < PANEL_ROWS ? M : PANEL_ROWS;
+    const __mmask16 keep = (__mmask16)((1u << R) - 1);
+    uint32_t *xt = aligned_alloc(64, sizeof(uint32_t) * (((size_t)np * kp * R + 15) / 16 * 16));
+    *ld = R;
     for (int i = 0; i < np; i++)
         for (int p0 = 0; p0 < kp; p0 += 16) {
             __m512i r[16];
-            for (int j = 0; j < 16; j++) {
+            for (int j = 0; j < R; j++) {
                 const float *xr = x + (size_t)(i * PANEL_ROWS + j) * K + 2 * p0;
                 r[j] = i * PANEL_ROWS + j < M ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + 16), _mm512_loadu_ps(xr))
                                               : _mm512_setzero_si512();
             }
+            uint32_t *dst = xt + ((size_t)i * kp + p0) * R;
+            if (R == 1) {
+                _mm512_storeu_si512(dst, r[0]);
+                continue;
+            }
+            for (int j = R; j < 16; j++) r[j] = _mm512_setzero_si512();
             transpose16(r);
-            for (int c = 0; c < 16; c++) _mm512_store_si512(xt + ((size_t)i * kp + p0 + c) * PANEL_ROWS, r[c]);
+            for (int c = 0; c < 16; c++) _mm512_mask_storeu_epi32(dst + (size_t)c * R, keep, r[c]);
         }
     return xt;
 }
@@ -256,11 +265,11 @@ static inline __attribute__((always_inline)) void panel_store(const __m512 *acc,
 // q4_block_bf16 / q8_block ones), which every row then uses: one weight stream a thread, read once
 // a call, and no horizontal sums.
 static inline __attribute__((always_inline)) void panel_dot(const uint8_t *q, const float *dn, const float *mn,
-                                                           const uint32_t *xt, float *y, int K, int ldy,
+                                                           const uint32_t *xt, int ld, float *y, int K, int ldy,
                                                            const float *bias, int kind, int rows) {
     __m512 acc[PANEL_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-    PANEL_FOR_EACH(dn, mn, K / 32, PANEL_DOTS(acc, w, xt, b * 16 + p, rows));
+    PANEL_FOR_EACH(dn, mn, K / 32, PANEL_DOTS(acc, w, xt, ld, b * 16 + p, rows));
     panel_store(acc, y, ldy, bias, rows);
 }
 
@@ -271,20 +280,21 @@ static void panel_unpack(const uint8_t *q, const float *dn, const float *mn, int
 }
 
 // panel_dot on unpacked weights (panel_unpack).
-static inline __attribute__((always_inline)) void panel_dot_bf16(const __m512bh *wb, const uint32_t *xt, float *y,
-                                                                 int K, int ldy, const float *bias, int rows) {
+static inline __attribute__((always_inline)) void panel_dot_bf16(const __m512bh *wb, const uint32_t *xt, int ld,
+                                                                 float *y, int K, int ldy, const float *bias, int rows) {
     __m512 acc[PANEL_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int p = 0; p < K / 2; p++) {
         const __m512bh w = wb[p];
-        PANEL_DOTS(acc, w, xt, p, rows);
+        PANEL_DOTS(acc, w, xt, ld, p, rows);
     }
     panel_store(acc, y, ldy, bias, rows);
 }
 
-static void panel_rows(const uint8_t *q, const float *dn, const float *mn, const uint32_t *xb, float *y, int K,
-                       int ldy, const float *bias, int kind, int rows) {
-#define QP(R) (kind == 0 ? panel_dot(q, dn, mn, xb, y, K, ldy, bias, 0, R) : panel_dot(q, dn, mn, xb, y, K, ldy, bias, 1, R))
+static void panel_rows(const uint8_t *q, const float *dn, const float *mn, const uint32_t *xb, int ld, float *y,
+                       int K, int ldy, const float *bias, int kind, int rows) {
+#define QP(R) (kind == 0 ? panel_dot(q, dn, mn, xb, ld, y, K, ldy, bias, 0, R) \
+                         : panel_dot(q, dn, mn, xb, ld, y, K, ldy, bias, 1, R))
     switch (rows) {
     case 1: QP(1); break; case 2: QP(2); break; case 3: QP(3); break; case 4: QP(4); break;
     case 5: QP(5); break; case 6: QP(6); break; case 7: QP(7); break; case 8: QP(8); break;
@@ -294,9 +304,9 @@ static void panel_rows(const uint8_t *q, const float *dn, const float *mn, const
 #undef QP
 }
 
-static void panel_rows_bf16(const __m512bh *wb, const uint32_t *xb, float *y, int K, int ldy, const float *bias,
-                            int rows) {
-#define QP(R) panel_dot_bf16(wb, xb, y, K, ldy, bias, R)
+static void panel_rows_bf16(const __m512bh *wb, const uint32_t *xb, int ld, float *y, int K, int ldy,
+                            const float *bias, int rows) {
+#define QP(R) panel_dot_bf16(wb, xb, ld, y, K, ldy, bias, R)
     switch (rows) {
     case 1: QP(1); break; case 2: QP(2); break; case 3: QP(3); break; case 4: QP(4); break;
     case 5: QP(5); break; case 6: QP(6); break; case 7: QP(7); break; case 8: QP(8); break;
@@ -742,7 +752,8 @@ static void mm_team(const xq_linear *w, const float *x, float *y, int M, kv_pf *
         const int nb = w->K / 32;
         // several passes: a panel's weights are rebuilt once, into wb, and read back by every pass
         __m512bh *wb = M > PANEL_ROWS ? aligned_alloc(64, sizeof(__m512bh) * (size_t)w->K / 2) : NULL;
-        uint32_t *xt = panel_acts(x, M, w->K);
+        int ld;
+        uint32_t *xt = panel_acts(x, M, w->K, &ld);
 #pragma omp for schedule(static)
         for (int g = 0; g < w->N / 16; g++) {
             const uint8_t *q = w->pq + (size_t)g * (w->kind ? 16 : 8) * w->K;
@@ -760,9 +771,9 @@ static void mm_team(const xq_linear *w, const float *x, float *y, int M, kv_pf *
             for (int m0 = 0; m0 < M; m0 += PANEL_ROWS) {
                 const int rows = M - m0 < PANEL_ROWS ? M - m0 : PANEL_ROWS;
                 float *yg = y + (size_t)m0 * w->N + g * 16;
-                const uint32_t *xp = xt + (size_t)m0 * w->K / 2;
-                if (wb) panel_rows_bf16(wb, xp, yg, w->K, w->N, bias, rows);
-                else panel_rows(q, dn, mn, xp, yg, w->K, w->N, bias, w->kind, rows);
+                const uint32_t *xp = xt + (size_t)m0 / PANEL_ROWS * ld * w->K / 2;
+                if (wb) panel_rows_bf16(wb, xp, ld, yg, w->K, w->N, bias, rows);
+                else panel_rows(q, dn, mn, xp, ld, yg, w->K, w->N, bias, w->kind, rows);
             }
             if (pf)
                 for (int i = 0; i < 16; i++) pf_step(pf);  // as often as the row loop below would
