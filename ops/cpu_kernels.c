@@ -946,6 +946,15 @@ static inline vf v_exp(vf x) {
     return v_pow2(p, n);
 }
 
+// exp(x), and 0 below -87 (-inf included) where v_exp would give ~1e-38: a weight that must be none.
+static inline vf v_exp0(vf x) {
+#if defined(__AVX512F__)
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, v_set1(-87.f), _CMP_GT_OQ), v_exp(x));
+#else
+    return _mm256_and_ps(v_exp(x), _mm256_cmp_ps(x, v_set1(-87.f), _CMP_GT_OQ));
+#endif
+}
+
 // out = silu(g) * u: g sigmoid(g), the exponential taken of -|g| only (v_exp's domain, and no overflow)
 static void silu_mul(const float *g, const float *u, float *out, int n) {
     int i = 0;
@@ -955,6 +964,53 @@ static void silu_mul(const float *g, const float *u, float *out, int n) {
         v_store(out + i, v_mul(v_mul(x, sig), v_load(u + i)));
     }
     for (; i < n; i++) out[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+}
+
+// Row b of logits [B, V] (rows ld apart) drawn at temperature temp[b] by its inverse CDF, as
+// ops/sampling.py draw does from the softmax: the first token whose running sum of exp((l - max) / t)
+// passes u[b] times the total (weights below e^-87 are none: -inf, banned, is never drawn); a sum
+// that falls short by rounding takes the last token of weight.
+// One pass for the max, one for the total, and on average half a pass for the draw.
+void xinfer_sample(const float *logits, int64_t ld, int B, int V, const float *temp, const float *u, int64_t *out) {
+#pragma omp parallel for schedule(dynamic, 1) if (B > 1)
+    for (int b = 0; b < B; b++) {
+        const float *l = logits + (size_t)b * ld;
+        const float t = temp[b] > 1e-5f ? temp[b] : 1e-5f;  // what sampling.py clamps it to
+        vf m = v_set1(-INFINITY);
+        int i = 0;
+        for (; i + VW <= V; i += VW) m = v_max(m, v_load(l + i));
+        float mx = v_hmax(m);
+        for (; i < V; i++) mx = fmaxf(mx, l[i]);
+        const vf mv = v_set1(mx), inv = v_set1(1.f / t);
+        vf s = v_zero();
+        for (i = 0; i + VW <= V; i += VW) s = v_add(s, v_exp0(v_mul(v_sub(v_load(l + i), mv), inv)));
+        float total = hsum(s);
+        for (; i < V; i++) total += (l[i] - mx) / t > -87.f ? expf((l[i] - mx) / t) : 0.f;
+        const float target = u[b] * total;
+        float run = 0.f;
+        int64_t pick = -1;
+        for (i = 0; pick < 0 && i + VW <= V; i += VW) {
+            float e[VW];
+            v_store(e, v_exp0(v_mul(v_sub(v_load(l + i), mv), inv)));
+            float c = 0.f;
+            for (int j = 0; j < VW; j++) c += e[j];
+            if (run + c <= target) {
+                run += c;
+                continue;
+            }
+            for (int j = 0; j < VW; j++)
+                if ((run += e[j]) > target) {
+                    pick = i + j;
+                    break;
+                }
+            if (pick < 0) pick = i + VW - 1;  // the chunk's sum passed, its terms one by one did not
+        }
+        for (; pick < 0 && i < V; i++)
+            if ((run += (l[i] - mx) / t > -87.f ? expf((l[i] - mx) / t) : 0.f) > target) pick = i;
+        if (pick < 0)  // short by rounding: the last token with weight
+            for (pick = V - 1; pick > 0 && !((l[pick] - mx) / t > -87.f); pick--) {}
+        out[b] = pick;
+    }
 }
 
 enum { KV_F32, KV_E4M3, KV_E5M2, KV_BF16, KV_F16, KV_TURBO };

@@ -76,6 +76,7 @@ def lib():
     so.xinfer_decode.argtypes = [p, p, p, i, p, p, p, i, p]
     so.xinfer_attn_width.argtypes = []
     so.xinfer_kv_store.argtypes = [p, p, i, p, p, ctypes.c_int64, i, i, i, i, p, p, p, p]
+    so.xinfer_sample.argtypes = [p, ctypes.c_int64, i, i, p, p, p]
     return so
 
 
@@ -131,6 +132,21 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor | None:
         return None
     out = gu.new_empty(gu.shape[0], gu.shape[1] // 2)
     so.xinfer_silu_mul(gu.data_ptr(), out.data_ptr(), gu.shape[0], out.shape[1], gu.dtype == torch.bfloat16)
+    return out
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
+    """Each row of logits [B, V] drawn at its temperature with its U(0, 1) (u [B, 1]) by the inverse
+    CDF of its softmax in one C call (ops/sampling.py draw's token, without the probabilities), or
+    None where the kernels do not take it."""
+    so = lib()
+    if so is None or logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 \
+            or logits.stride(1) != 1:
+        return None
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    temp, u = temperature.float().contiguous(), u.float().contiguous()
+    so.xinfer_sample(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1], temp.data_ptr(),
+                     u.data_ptr(), out.data_ptr())
     return out
 
 

@@ -359,6 +359,28 @@ def test_one_call_decode_step_bf16_up_to_64_rows():
         e.close()
 
 
+def test_c_sampler_draws_the_inverse_cdf_token():
+    """cpu_kernels.sample (what ops/sampling.py sample uses without top-k / top-p / min-p): the token
+    draw() picks from the softmax at each row's temperature with the same U(0, 1), for vocabularies
+    with and without a vector tail; banned (-inf) tokens never, even at the ends of U(0, 1)."""
+    from ops.sampling import draw
+    g = torch.Generator().manual_seed(3)
+    for V in (49152, 1000, 12):
+        logits = torch.randn(300, V, generator=g) * 3
+        logits[::7, ::3] = -float("inf")
+        temp = torch.rand(300, generator=g) * 1.5 + 0.05
+        u = torch.rand(300, 1, generator=g)
+        u[:3, 0] = torch.tensor([0.0, 1 - 2 ** -24, 0.5])
+        got = cpu_kernels.sample(logits, temp, u)
+        probs = torch.softmax(logits / temp[:, None], dim=-1)
+        assert (got == draw(probs, u)).float().mean() >= 0.99, V
+        hi = probs.cumsum(-1).gather(1, got[:, None])  # where else: U on the boundary, the sums' order
+        assert ((hi - probs.gather(1, got[:, None]) <= u + 1e-4) & (u <= hi + 1e-4)).all(), V
+        assert (probs.gather(1, got[:, None]) > 1e-30).all()  # the ends of U(0, 1): tokens of weight
+        strided = torch.cat([logits, logits], 1)[:, :V]  # rows further apart than V
+        assert torch.equal(cpu_kernels.sample(strided, temp, u), got)
+
+
 def test_the_build_is_the_one_asked_for():
     want = 256 if os.environ.get("XINFER_CPU_ISA") == "avx2" else None
     width = cpu_kernels.lib().xinfer_simd_width()
