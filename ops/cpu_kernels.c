@@ -291,28 +291,27 @@ static inline __attribute__((always_inline)) void panel_dot_bf16(const __m512bh 
     panel_store(acc, y, ldy, bias, rows);
 }
 
+// CALL(R) with R = rows (1 .. PANEL_ROWS) a compile-time constant: the accumulators stay in registers.
+#define PANEL_CASES(CALL)                                                                                   \
+    switch (rows) {                                                                                         \
+    case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break;          \
+    case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; case 8: CALL(8); break;          \
+    case 9: CALL(9); break; case 10: CALL(10); break; case 11: CALL(11); break; case 12: CALL(12); break;    \
+    case 13: CALL(13); break; case 14: CALL(14); break; case 15: CALL(15); break; default: CALL(16);         \
+    }
+
 static void panel_rows(const uint8_t *q, const float *dn, const float *mn, const uint32_t *xb, int ld, float *y,
                        int K, int ldy, const float *bias, int kind, int rows) {
 #define QP(R) (kind == 0 ? panel_dot(q, dn, mn, xb, ld, y, K, ldy, bias, 0, R) \
                          : panel_dot(q, dn, mn, xb, ld, y, K, ldy, bias, 1, R))
-    switch (rows) {
-    case 1: QP(1); break; case 2: QP(2); break; case 3: QP(3); break; case 4: QP(4); break;
-    case 5: QP(5); break; case 6: QP(6); break; case 7: QP(7); break; case 8: QP(8); break;
-    case 9: QP(9); break; case 10: QP(10); break; case 11: QP(11); break; case 12: QP(12); break;
-    case 13: QP(13); break; case 14: QP(14); break; case 15: QP(15); break; default: QP(16);
-    }
+    PANEL_CASES(QP);
 #undef QP
 }
 
 static void panel_rows_bf16(const __m512bh *wb, const uint32_t *xb, int ld, float *y, int K, int ldy,
                             const float *bias, int rows) {
 #define QP(R) panel_dot_bf16(wb, xb, ld, y, K, ldy, bias, R)
-    switch (rows) {
-    case 1: QP(1); break; case 2: QP(2); break; case 3: QP(3); break; case 4: QP(4); break;
-    case 5: QP(5); break; case 6: QP(6); break; case 7: QP(7); break; case 8: QP(8); break;
-    case 9: QP(9); break; case 10: QP(10); break; case 11: QP(11); break; case 12: QP(12); break;
-    case 13: QP(13); break; case 14: QP(14); break; case 15: QP(15); break; default: QP(16);
-    }
+    PANEL_CASES(QP);
 #undef QP
 }
 
