@@ -232,18 +232,17 @@ static uint32_t *panel_acts(const float *x, int M, int K, int *ld) {
     *ld = R;
     for (int i = 0; i < np; i++)
         for (int p0 = 0; p0 < kp; p0 += 16) {
-            __m512i r[16];
-            for (int j = 0; j < R; j++) {
-                const float *xr = x + (size_t)(i * PANEL_ROWS + j) * K + 2 * p0;
-                r[j] = i * PANEL_ROWS + j < M ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + 16), _mm512_loadu_ps(xr))
-                                              : _mm512_setzero_si512();
-            }
             uint32_t *dst = xt + ((size_t)i * kp + p0) * R;
+            const float *x0 = x + (size_t)i * PANEL_ROWS * K + 2 * p0;
             if (R == 1) {
-                _mm512_storeu_si512(dst, r[0]);
+                _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x0 + 16), _mm512_loadu_ps(x0)));
                 continue;
             }
-            for (int j = R; j < 16; j++) r[j] = _mm512_setzero_si512();
+            __m512i r[16];
+            for (int j = 0; j < 16; j++)  // all 16 each time: the array stays in registers
+                r[j] = j < R && i * PANEL_ROWS + j < M
+                           ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x0 + (size_t)j * K + 16), _mm512_loadu_ps(x0 + (size_t)j * K))
+                           : _mm512_setzero_si512();
             transpose16(r);
             for (int c = 0; c < 16; c++) _mm512_mask_storeu_epi32(dst + (size_t)c * R, keep, r[c]);
         }
