@@ -698,6 +698,11 @@ static void rows_bf16(const xq_linear *w, const uint16_t *xb, float *y, int rows
 
 // Lines fetched toward L2 a few at a time while a matmul computes (struct kv_pf below); NULL: none.
 
+// bytes from p fetched toward L2, a line at a time.
+static inline void prefetch_l2(const void *p, size_t bytes) {
+    for (size_t i = 0; i < bytes; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T1);
+}
+
 // y [M, N] = x [M, K] w^T (+ bias), run by every thread of the enclosing parallel region.
 static void mm_team(const xq_linear *w, const float *x, float *y, int M, kv_pf *pf) {
     // Weight-stationary: each thread takes its share of the output rows n and runs every activation
@@ -757,15 +762,11 @@ static void mm_team(const xq_linear *w, const float *x, float *y, int M, kv_pf *
             const uint8_t *q = w->pq + (size_t)g * (w->kind ? 16 : 8) * w->K;
             const float *dn = w->pd + (size_t)g * nb * 16, *mn = w->pm + (size_t)g * nb * 16;
             const float *bias = w->bias ? w->bias + g * 16 : NULL;
-            if (wb) {
-                // the next panel's bytes and scales toward L2 while this one's passes compute
+            if (wb && g + 1 < w->N / 16) {  // the next panel's bytes and scales, while this one's passes compute
                 const size_t qb = (size_t)(w->kind ? 16 : 8) * w->K, sb = sizeof(float) * (size_t)nb * 16;
-                if (g + 1 < w->N / 16)
-                    for (size_t i = 0; i < qb; i += 64) _mm_prefetch((const char *)(q + qb) + i, _MM_HINT_T1);
-                for (size_t i = 0; g + 1 < w->N / 16 && i < sb; i += 64)
-                    _mm_prefetch((const char *)(dn + nb * 16) + i, _MM_HINT_T1), _mm_prefetch((const char *)(mn + nb * 16) + i, _MM_HINT_T1);
-                panel_unpack(q, dn, mn, w->K, w->kind, wb);
+                prefetch_l2(q + qb, qb), prefetch_l2(dn + nb * 16, sb), prefetch_l2(mn + nb * 16, sb);
             }
+            if (wb) panel_unpack(q, dn, mn, w->K, w->kind, wb);
             for (int m0 = 0; m0 < M; m0 += PANEL_ROWS) {
                 const int rows = M - m0 < PANEL_ROWS ? M - m0 : PANEL_ROWS;
                 float *yg = y + (size_t)m0 * w->N + g * 16;
@@ -964,6 +965,12 @@ static void silu_mul(const float *g, const float *u, float *out, int n) {
     for (; i < n; i++) out[i] = g[i] / (1.f + expf(-g[i])) * u[i];
 }
 
+// exp((l - mx) / t), and 0 below e^-87 (v_exp0's scalar twin).
+static inline float weight0(float l, float mx, float t) {
+    const float x = (l - mx) / t;
+    return x > -87.f ? expf(x) : 0.f;
+}
+
 // Row b of logits [B, V] (rows ld apart) drawn at temperature temp[b] by its inverse CDF, as
 // ops/sampling.py draw does from the softmax: the first token whose running sum of exp((l - max) / t)
 // passes u[b] times the total (weights below e^-87 are none: -inf, banned, is never drawn); a sum
@@ -983,7 +990,7 @@ void xinfer_sample(const float *logits, int64_t ld, int B, int V, const float *t
         vf s = v_zero();
         for (i = 0; i + VW <= V; i += VW) s = v_add(s, v_exp0(v_mul(v_sub(v_load(l + i), mv), inv)));
         float total = hsum(s);
-        for (; i < V; i++) total += (l[i] - mx) / t > -87.f ? expf((l[i] - mx) / t) : 0.f;
+        for (; i < V; i++) total += weight0(l[i], mx, t);
         const float target = u[b] * total;
         float run = 0.f;
         int64_t pick = -1;
@@ -1004,9 +1011,9 @@ void xinfer_sample(const float *logits, int64_t ld, int B, int V, const float *t
             if (pick < 0) pick = i + VW - 1;  // the chunk's sum passed, its terms one by one did not
         }
         for (; pick < 0 && i < V; i++)
-            if ((run += (l[i] - mx) / t > -87.f ? expf((l[i] - mx) / t) : 0.f) > target) pick = i;
+            if ((run += weight0(l[i], mx, t)) > target) pick = i;
         if (pick < 0)  // short by rounding: the last token with weight
-            for (pick = V - 1; pick > 0 && !((l[pick] - mx) / t > -87.f); pick--) {}
+            for (pick = V - 1; pick > 0 && weight0(l[pick], mx, t) == 0.f; pick--) {}
         out[b] = pick;
     }
 }
@@ -1379,8 +1386,7 @@ static void prefetch_span(const xq_kv *c, const int32_t *tab, int c0, int n, int
     if (!el) return;
     for (int t = c0; t < c0 + n;) {
         const int off = t % bs, cnt = bs - off < c0 + n - t ? bs - off : c0 + n - t;
-        const char *p = (const char *)c->data + ((size_t)tab[t / bs] * bs + off) * row * el;
-        for (size_t i = 0; i < (size_t)cnt * row * el; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
+        prefetch_l2((const char *)c->data + ((size_t)tab[t / bs] * bs + off) * row * el, (size_t)cnt * row * el);
         t += cnt;
     }
 }
@@ -2110,11 +2116,11 @@ void xinfer_decode(const xq_model *m, const float *x, float *out, int B, const i
             const xq_kv vc = {L->v_cache, L->v_scale, L->kv_kind, L->kv_bits, L->levels, L->mids, L->rotation, NULL,
                               warm};
 #pragma omp for schedule(static)
-            for (int b = 0; b < B; b++)  // the first layer's residual is its input
+            for (int b = 0; b < B; b++) {
                 add_rmsnorm_row(y + (size_t)b * H, 0, l ? res + (size_t)b * H : NULL, L->ln_in, h + (size_t)b * H, 0, H,
                                 m->eps, m->offset);
-#pragma omp single
-            if (l == 0) memcpy(res, y, sizeof(float) * (size_t)B * H);
+                if (l == 0) memcpy(res + (size_t)b * H, y + (size_t)b * H, sizeof(float) * H);  // its residual is its input
+            }
             mm_team(&L->qkv, h, qkv, B, NULL);
 #pragma omp for schedule(static)
             for (int b = 0; b < B; b++) {

@@ -88,12 +88,14 @@ class QuantWeight:
         (one row too: one stream a thread, measured faster in bench/NOTES-cpu.md)."""
         self.prec = PREC[matmul]
         self.wide = None
-        self.max_rows = cpu_isa.block_rows()
         n, k = self.shape
         # bfloat16 panels of 16 columns where the CPU has its dot products; float32 ones of 8 in the
         # AVX2 build (the AVX-512 build keeps its row kernels there)
         width = 16 if matmul == "bfloat16" and has_bf16() else 8 if matmul != "bfloat16" and simd_width() == 256 else 0
         if not width or n % width or self.gs != 1:
+            width = 0
+        self.max_rows = cpu_isa.block_rows(bf16_panels=width == 16)
+        if not width:
             self.panels = None
             return
         kind = 0 if self.kind == "q4" else 1
@@ -102,7 +104,6 @@ class QuantWeight:
         wide = matmul == "int16" and width == 8
         self.panels = (None if wide else torch.zeros(n * k // (2 - kind), dtype=torch.uint8),
                        torch.empty(n * k // 32), torch.empty(n * k // 32))
-        self.max_rows = cpu_isa.block_rows(bf16_panels=width == 16)
         build = lib().xinfer_panels if width == 16 else lib().xinfer_panels8
         build(self.qs.data_ptr(), self.d.data_ptr(), None if self.m is None else self.m.data_ptr(), kind, n, k,
               *(None if t is None else t.data_ptr() for t in self.panels))
