@@ -143,3 +143,18 @@ def test_greedy_rows_beside_sampled_ones_and_the_hosts_flag():
     seqs = lambda *temps: [WorkerSeq([1, 2], 2, 2, [0], SamplingParams(temperature=t), None) for t in temps]  # noqa: E731
     assert sampling_batch(seqs(1.0, 0.0), V, [], "cpu").any_zero_temp
     assert not sampling_batch(seqs(1.0, 0.7), V, [], "cpu").any_zero_temp
+
+
+def test_sampling_batch_bans_and_seeds_from_the_outputs_without_copying_them():
+    """A bad word's last token is banned only once the outputs end with the rest of it (never from
+    the prompt's tokens); min_tokens and a seed's position count the outputs."""
+    from xinfer.sampling_params import SamplingParams
+    from xinfer.workers.batch import WorkerSeq, sampling_batch
+    p = SamplingParams(bad_words_ids=[[7, 8, 9], [5]], min_tokens=3, stop_token_ids=[4], ignore_eos=True)
+    rows = [([7, 8], 2), ([1, 7, 8], 1), ([7, 8, 1], 1), ([7, 8], 1)]  # (tokens, prompt length)
+    seqs = [WorkerSeq(tokens=t, num_prompt=n, num_computed=len(t), block_ids=[0], params=p, seed=11) for t, n in rows]
+    b = sampling_batch(seqs, 32, [0], torch.device("cpu"))
+    banned = sorted(zip(b.banned[0].tolist(), b.banned[1].tolist()))
+    # row 0: no outputs; row 1: outputs [7, 8] end with the prefix; row 2: [8, 1]; row 3: [8], its 7 the prompt's
+    assert banned == [(0, 4), (0, 5), (1, 4), (1, 5), (1, 9), (2, 4), (2, 5), (3, 4), (3, 5)]
+    assert b.seeds == [(i, 11 * 1_000_003 + len(t) - n) for i, (t, n) in enumerate(rows)]

@@ -90,33 +90,34 @@ def sampling_batch(seqs: list[WorkerSeq], vocab_size: int, eos_ids: list[int], d
             arr[i, :len(x)] = x
         return on_device(arr, torch.long, dev)
 
-    outputs = [s.tokens[s.num_prompt:] for s in seqs]
     rep = col([p.repetition_penalty for p in ps], off=1.0)
     pres = col([p.presence_penalty for p in ps], off=0.0)
     freq = col([p.frequency_penalty for p in ps], off=0.0)
     bias_rows, bias_ids, bias_vals, ban_rows, ban_ids, seeds = [], [], [], [], [], []
     ok_rows, ok_ids = [], []
-    for i, (s, p, out) in enumerate(zip(seqs, ps, outputs)):
+    for i, (s, p) in enumerate(zip(seqs, ps)):
+        n_out = len(s.tokens) - s.num_prompt  # the outputs themselves are copied only where read: a copy
+        # of every sequence's outputs each step grows with their length (quadratic over a generation)
         for tid, v in (p.logit_bias or {}).items():
             bias_rows.append(i), bias_ids.append(int(tid)), bias_vals.append(float(v))
-        if len(out) < p.min_tokens:
+        if n_out < p.min_tokens:
             for tid in set(([] if p.ignore_eos else eos_ids) + list(p.stop_token_ids)):
                 ban_rows.append(i), ban_ids.append(tid)
         for bad in p.bad_words_ids:  # its last token, where the output ends with the rest of it
-            if len(bad) == 1 or out[len(out) - len(bad) + 1:] == bad[:-1]:
+            if len(bad) == 1 or (len(bad) - 1 <= n_out and s.tokens[len(s.tokens) - len(bad) + 1:] == bad[:-1]):
                 ban_rows.append(i), ban_ids.append(bad[-1])
         if p.allowed_token_ids:
             ok_rows.extend([i] * len(p.allowed_token_ids)), ok_ids.extend(p.allowed_token_ids)
         if s.seed is not None:
             # the noise for output position k depends only on (seed, k)
-            seeds.append((i, s.seed * 1_000_003 + len(out)))
+            seeds.append((i, s.seed * 1_000_003 + n_out))
     top_k = [min(p.top_k, V) if p.top_k > 0 else V for p in ps]
     return SamplingBatch(
         temperature=on_device([p.temperature for p in ps], torch.float32, dev),
         top_k=col(top_k, torch.long, off=V), top_p=col([p.top_p for p in ps], off=1.0),
         min_p=col([p.min_p for p in ps], off=0.0),
         repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq,
-        output_ids=padded(outputs) if (rep is not None or pres is not None or freq is not None) else None,
+        output_ids=padded([s.tokens[s.num_prompt:] for s in seqs]) if (rep is not None or pres is not None or freq is not None) else None,
         prompt_ids=padded([s.tokens[:s.num_prompt] for s in seqs]) if rep is not None else None,
         bias=(on_device(bias_rows, torch.long, dev), on_device(bias_ids, torch.long, dev),
               on_device(bias_vals, torch.float32, dev)) if bias_rows else None,
