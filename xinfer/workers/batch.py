@@ -3,6 +3,7 @@ paged forward over rows of several sequences, and a step's sampling parameters."
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +37,18 @@ def drafted(ws: WorkerSeq, drafts: list[int]) -> list[WorkerSeq]:
     return [ws] + [dataclasses.replace(ws, tokens=ws.tokens + drafts[:j]) for j in range(1, len(drafts) + 1)]
 
 
+def block_table(rows, out: np.ndarray | None = None) -> np.ndarray:
+    """The rows' block ids (forward's rows) as a table, a row each, in one numpy call: into `out`'s
+    first rows (entries past a row's last block keep what they held), else a new zero-padded table."""
+    nblk = np.fromiter((len(b) for b, _, _ in rows), dtype=np.int64, count=len(rows))
+    width = int(nblk.max())
+    if out is None:
+        out = np.zeros((len(rows), width), dtype=np.int32)
+    flat = np.fromiter(itertools.chain.from_iterable(b for b, _, _ in rows), dtype=out.dtype, count=int(nblk.sum()))
+    out[:len(rows), :width][np.arange(width) < nblk[:, None]] = flat
+    return out
+
+
 def forward(model, backend, device, block_size: int, rows: list[tuple[list[int], int, list[int]]],
             state_slots: list[int] | None = None, state_snapshots=None, fix=None, **inputs):
     """Hidden states of `rows` (block ids, position of the first token, tokens), one sequence each,
@@ -43,24 +56,25 @@ def forward(model, backend, device, block_size: int, rows: list[tuple[list[int],
     the model's (the MTP head's target hidden states). `state_slots`: each row's recurrent-state slot
     (hybrid models), `state_snapshots` where to copy it (xinfer/hybrid.py row_snapshots). `fix`: ids
     the step in flight is still sampling (pipeline.Fixups)."""
-    bs = block_size
-    ids, pos, slots, qlens, kvlens = [], [], [], [], []
-    for blocks, start, toks in rows:
-        ids.extend(toks)
-        p = np.arange(start, start + len(toks))
-        pos.append(p)
-        slots.append(np.asarray(blocks, dtype=np.int64)[p // bs] * bs + p % bs)
-        qlens.append(len(toks))
-        kvlens.append(start + len(toks))
-    width = max(len(b) for b, _, _ in rows)
-    table = np.zeros((len(rows), width), dtype=np.int32)
-    for i, (b, _, _) in enumerate(rows):
-        table[i, :len(b)] = b
+    bs, n = block_size, len(rows)
+    # whole-batch numpy, not a few calls a row: a 256-row decode step's host time
+    qlens = [len(t) for _, _, t in rows]
+    ids = list(itertools.chain.from_iterable(t for _, _, t in rows))
+    starts = np.fromiter((s for _, s, _ in rows), dtype=np.int64, count=n)
+    cu = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(qlens, out=cu[1:])
+    if len(ids) == n:  # one token a row
+        row, pos = np.arange(n), starts
+    else:
+        row = np.repeat(np.arange(n), qlens)
+        pos = starts[row] + np.arange(len(ids)) - cu[row]
+    table = block_table(rows)
+    kvlens = (starts + qlens).tolist()
     meta = AttnMetadata(
-        cu_seqlens_q=on_device(np.cumsum([0] + qlens), torch.int32, device),
+        cu_seqlens_q=on_device(cu, torch.int32, device),
         seq_lens=on_device(kvlens, torch.int32, device),
         block_tables=on_device(table, torch.int32, device),
-        slot_mapping=on_device(np.concatenate(slots), torch.long, device),
+        slot_mapping=on_device(table[row, pos // bs].astype(np.int64) * bs + pos % bs, torch.long, device),
         query_lens=qlens, kv_lens=kvlens, block_size=bs, state_slots=state_slots,
         state_snapshots=state_snapshots, bidirectional=getattr(inputs.get("mm"), "spans", None))
     ids_t = on_device(ids, torch.long, device)
@@ -68,7 +82,7 @@ def forward(model, backend, device, block_size: int, rows: list[tuple[list[int],
         fix.apply(ids_t)
     set_context(meta, backend)
     try:
-        return model(ids_t, on_device(np.concatenate(pos), torch.long, device), **inputs)
+        return model(ids_t, on_device(pos, torch.long, device), **inputs)
     finally:
         set_context(None)
 

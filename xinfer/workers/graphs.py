@@ -25,6 +25,7 @@ import torch
 
 from ops.attention import AttnMetadata, set_context
 from xinfer import envs
+from xinfer.workers.batch import block_table
 
 log = logging.getLogger("xinfer.graphs")
 GiB = 1 << 30
@@ -156,12 +157,11 @@ class DecodeGraphs:
         v["ids"][:n] = [t[0] for _, _, t in rows]
         v["ids"][n:b] = 0  # a padding row may hold a PENDING id (pipeline.py) from an earlier step
         v["pos"][:n] = pos
-        v["slots"][:n] = [blocks[p // bs] * bs + p % bs for (blocks, _, _), p in zip(rows, pos.tolist())]
+        block_table(rows, v["tables"])  # entries past a row's last block are never read
+        v["slots"][:n] = v["tables"][np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
         v["slots"][n:b] = -1
         v["lens"][:n] = pos + 1
         v["lens"][n:b] = 1
-        for i, (blocks, _, _) in enumerate(rows):  # entries past a row's last block are never read
-            v["tables"][i, :len(blocks)] = blocks
         for name, t in self.dev.items():  # non-blocking from pinned memory
             t[:b].copy_(host[name][:b], non_blocking=True)
         if self.pinned:
