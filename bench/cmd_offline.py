@@ -87,7 +87,9 @@ def run(args) -> int:
     print(stats.table(r, "Offline Throughput"))
     print(f"{len(prompts)} sequences, {m['total_input_tokens']} prompt + {m['total_output_tokens']} generated "
           f"tokens in {duration:.2f}s: {m['output_throughput']:.1f} output tok/s, "
-          f"{m['total_token_throughput']:.1f} total tok/s ({c.device}, {c.dtype}, max_num_seqs {c.max_num_seqs})")
+          f"{m['total_token_throughput']:.1f} total tok/s ({c.device}, {c.dtype}"
+          f"{f' with {c.cpu_matmul} matmuls' if c.device == 'cpu' and c.cpu_matmul != c.dtype else ''}, "
+          f"max_num_seqs {c.max_num_seqs})")
     if args.profile:
         print(host)
         if args.worker == "inproc":
