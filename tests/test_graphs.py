@@ -98,3 +98,18 @@ def test_graph_replays_give_the_eager_tokens(tiny_llama_path, monkeypatch):
     assert [o.token_ids for o in eng.generate(PROMPTS, params)] == want
     assert eng.core.runner.graphs.replays >= 10 and eng.core.runner.early_launches >= 8
     eng.close()
+
+
+def test_block_table_and_a_row_past_its_blocks():
+    """forward()'s block table (also the graphs' mirror) is each row's blocks, zero-padded; a row whose
+    tokens reach past its blocks is refused, not sent to block 0 (a padding entry)."""
+    import numpy as np
+    from xinfer.workers.batch import block_table, forward
+    rows = [([3, 9], 17, [1]), ([5], 0, [1, 2, 3]), ([7, 2, 4], 40, [1])]
+    table, nblk = block_table(rows)
+    assert table.tolist() == [[3, 9, 0], [5, 0, 0], [7, 2, 4]] and nblk.tolist() == [2, 1, 3]
+    out = np.full((4, 5), -1, dtype=np.int32)
+    block_table(rows[:2], out)
+    assert out.tolist() == [[3, 9, -1, -1, -1], [5, -1, -1, -1, -1]] + [[-1] * 5] * 2
+    with pytest.raises(ValueError, match="row 1 reaches position 16 with 1 blocks of 16"):
+        forward(None, None, torch.device("cpu"), 16, [([3, 9], 17, [1]), ([5], 14, [1, 2, 3])])

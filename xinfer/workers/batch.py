@@ -37,16 +37,17 @@ def drafted(ws: WorkerSeq, drafts: list[int]) -> list[WorkerSeq]:
     return [ws] + [dataclasses.replace(ws, tokens=ws.tokens + drafts[:j]) for j in range(1, len(drafts) + 1)]
 
 
-def block_table(rows, out: np.ndarray | None = None) -> np.ndarray:
+def block_table(rows, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The rows' block ids (forward's rows) as a table, a row each, in one numpy call: into `out`'s
-    first rows (entries past a row's last block keep what they held), else a new zero-padded table."""
+    first rows (entries past a row's last block keep what they held), else a new zero-padded table;
+    and each row's number of blocks."""
     nblk = np.fromiter((len(b) for b, _, _ in rows), dtype=np.int64, count=len(rows))
     width = int(nblk.max())
     if out is None:
         out = np.zeros((len(rows), width), dtype=np.int32)
     flat = np.fromiter(itertools.chain.from_iterable(b for b, _, _ in rows), dtype=out.dtype, count=int(nblk.sum()))
     out[:len(rows), :width][np.arange(width) < nblk[:, None]] = flat
-    return out
+    return out, nblk
 
 
 def forward(model, backend, device, block_size: int, rows: list[tuple[list[int], int, list[int]]],
@@ -68,7 +69,10 @@ def forward(model, backend, device, block_size: int, rows: list[tuple[list[int],
     else:
         row = np.repeat(np.arange(n), qlens)
         pos = starts[row] + np.arange(len(ids)) - cu[row]
-    table = block_table(rows)
+    table, nblk = block_table(rows)
+    if (starts + qlens > nblk * bs).any():  # a padding entry would send its K/V to block 0
+        i = int(np.argmax(starts + qlens > nblk * bs))
+        raise ValueError(f"row {i} reaches position {starts[i] + qlens[i] - 1} with {nblk[i]} blocks of {bs}")
     kvlens = (starts + qlens).tolist()
     meta = AttnMetadata(
         cu_seqlens_q=on_device(cu, torch.int32, device),
