@@ -255,14 +255,7 @@ static inline __attribute__((always_inline)) void panel_store(const __m512 *acc,
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + (size_t)r * ldy, _mm512_add_ps(acc[r], bv));
 }
 
-// Weights in 16-column panels (xinfer_panels), for the bfloat16 kernels: per 16 output columns,
-// per 32-weight block, per pair of inputs (k, k + 1), the 32 weights of one dot-product
-// instruction: lanes 0-15 are columns 0-7 (k and k + 1 side by side), lanes 16-31 columns 8-15.
-// q4 (kind 0): 16 bytes, lane j in byte j's low nibble and lane 16 + j in its high one; q8 (1): 32
-// signed bytes. d and m per (panel, block) as 16 floats (m 0 for q8 without offsets). Integer
-// conversions, two FMAs and one rounding make the bfloat16 weights (the same values as the
-// q4_block_bf16 / q8_block ones), which every row then uses: one weight stream a thread, read once
-// a call, and no horizontal sums.
+// One pass of `rows` rows against a panel, its weights rebuilt as they are read (the layout above).
 static inline __attribute__((always_inline)) void panel_dot(const uint8_t *q, const float *dn, const float *mn,
                                                            const uint32_t *xt, int ld, float *y, int K, int ldy,
                                                            const float *bias, int kind, int rows) {

@@ -70,10 +70,11 @@ def forward(model, backend, device, block_size: int, rows: list[tuple[list[int],
         row = np.repeat(np.arange(n), qlens)
         pos = starts[row] + np.arange(len(ids)) - cu[row]
     table, nblk = block_table(rows)
-    if (starts + qlens > nblk * bs).any():  # a padding entry would send its K/V to block 0
-        i = int(np.argmax(starts + qlens > nblk * bs))
-        raise ValueError(f"row {i} reaches position {starts[i] + qlens[i] - 1} with {nblk[i]} blocks of {bs}")
-    kvlens = (starts + qlens).tolist()
+    ends = starts + qlens
+    if (ends > nblk * bs).any():  # a padding entry would send its K/V to block 0
+        i = int(np.argmax(ends > nblk * bs))
+        raise ValueError(f"row {i} reaches position {ends[i] - 1} with {nblk[i]} blocks of {bs}")
+    kvlens = ends.tolist()
     meta = AttnMetadata(
         cu_seqlens_q=on_device(cu, torch.int32, device),
         seq_lens=on_device(kvlens, torch.int32, device),
@@ -114,8 +115,8 @@ def sampling_batch(seqs: list[WorkerSeq], vocab_size: int, eos_ids: list[int], d
     bias_rows, bias_ids, bias_vals, ban_rows, ban_ids, seeds = [], [], [], [], [], []
     ok_rows, ok_ids = [], []
     for i, (s, p) in enumerate(zip(seqs, ps)):
-        n_out = len(s.tokens) - s.num_prompt  # the outputs themselves are copied only where read: a copy
-        # of every sequence's outputs each step grows with their length (quadratic over a generation)
+        # the outputs counted, copied only where read: a copy of them all each step grows with their length
+        n_out = len(s.tokens) - s.num_prompt
         for tid, v in (p.logit_bias or {}).items():
             bias_rows.append(i), bias_ids.append(int(tid)), bias_vals.append(float(v))
         if n_out < p.min_tokens:
