@@ -1,6 +1,7 @@
-"""`xinfer-bench attention`: decode attention alone, as a model's step runs it, for each KV format.
+"""`xinfer-bench attention`: decode (or, with `--prefill`, prompt) attention alone, as a model's step
+runs it, for each KV format.
 
-B sequences of `--context` positions, `--layers` separate caches (so, as in a model, a step reads every
+B sequences of `--context` positions (`--prefill`: each a whole prompt of that many tokens, causal), `--layers` separate caches (so, as in a model, a step reads every
 layer's K and V from memory, not from a cache level that one reused layer would sit in), SmolLM2's heads
 by default. Each format's cache is written by the backend's own store; the C kernels (ops/cpu_kernels.c)
 and the torch path (gather + SDPA, the baseline) run in the same process, alternated, the best of
@@ -17,12 +18,12 @@ from ops import kv_quant
 from ops.attention import AttnMetadata, TorchBackend
 
 
-def _meta(batch: int, context: int, bs: int, perm: torch.Tensor) -> AttnMetadata:
-    per = -(-context // bs)
-    return AttnMetadata(cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32),
+def _meta(batch: int, context: int, bs: int, perm: torch.Tensor, prefill: bool) -> AttnMetadata:
+    per, rows = -(-context // bs), context if prefill else 1
+    return AttnMetadata(cu_seqlens_q=torch.arange(0, batch * rows + 1, rows, dtype=torch.int32),
                         seq_lens=torch.full((batch,), context, dtype=torch.int32),
                         block_tables=perm[:batch * per].view(batch, per).int(), slot_mapping=torch.zeros(0, dtype=torch.long),
-                        query_lens=[1] * batch, kv_lens=[context] * batch, block_size=bs)
+                        query_lens=[rows] * batch, kv_lens=[context] * batch, block_size=bs)
 
 
 def run(args) -> int:
@@ -30,7 +31,7 @@ def run(args) -> int:
     bs, g = 16, torch.Generator().manual_seed(0)
     nb = args.batch * -(-args.context // bs) + 1
     perm = torch.randperm(nb - 1, generator=g)  # each sequence's blocks scattered through the cache
-    q = torch.randn(args.batch, hq, d, generator=g)
+    q = torch.randn(args.batch * (args.context if args.prefill else 1), hq, d, generator=g)
     fused, plain = TorchBackend(), TorchBackend()
     plain._c = None
     if fused._c is None:
@@ -48,11 +49,11 @@ def run(args) -> int:
         paths = {"c": fused, "torch": plain} if fused._c is not None else {"torch": plain}
         best = {p: float("inf") for p in paths}
         for backend in paths.values():  # a warm-up step: kernels built, first-touch costs paid
-            backend.forward(q, *layers[0], _meta(args.batch, args.context, bs, perm), d ** -0.5)
+            backend.forward(q, *layers[0], _meta(args.batch, args.context, bs, perm, args.prefill), d ** -0.5)
         for _ in range(args.repeats):
             for p, backend in paths.items():
                 t = time.perf_counter()
-                meta = _meta(args.batch, args.context, bs, perm)  # one a step, its plan shared by the layers, as in a model
+                meta = _meta(args.batch, args.context, bs, perm, args.prefill)  # one a step, its plan shared by the layers, as in a model
                 for kc, vc in layers:
                     backend.forward(q, kc, vc, meta, d ** -0.5)
                 best[p] = min(best[p], time.perf_counter() - t)
@@ -60,10 +61,15 @@ def run(args) -> int:
         if "c" in best:
             row["speedup"] = round(best["torch"] / best["c"], 2)
         rows.append(row)
+        if args.prefill:  # causal: each sequence's context^2 / 2 (query, key) pairs, 4 D FLOP a pair and query head
+            row.update({f"{p}_gflops": round(args.batch * args.context ** 2 / 2 * 4 * d * hq * args.layers / v / 1e9, 1)
+                        for p, v in best.items()})
         print(f"{name:>9}: " + ", ".join(f"{p} {v * 1000:.1f} ms" for p, v in best.items())
-              + (f" ({row['speedup']}x)" if "c" in best else "") + f" a step of {args.layers} layers")
+              + (f" ({row['speedup']}x)" if "c" in best else "") + f" a step of {args.layers} layers"
+              + (f", c {row['c_gflops']} GFLOP/s" if args.prefill and "c" in best else ""))
     if args.output:
-        Path(args.output).write_text(json.dumps({"mode": "attention", "batch": args.batch, "context": args.context,
+        Path(args.output).write_text(json.dumps({"mode": "attention", "prefill": args.prefill, "batch": args.batch,
+                                                 "context": args.context,
                                                  "heads": args.heads, "layers": args.layers, "rows": rows}, indent=1) + "\n")
     return 0
 
@@ -75,6 +81,7 @@ def add_args(f) -> None:
     f.add_argument("--layers", type=int, default=30, help="separate caches read one after another a step")
     f.add_argument("--kvcache-dtype", default="auto,bf16,fp8,turbo4",
                    help="comma-separated formats (auto: float32)")
+    f.add_argument("--prefill", action="store_true", help="each sequence a whole prompt of --context tokens")
     f.add_argument("--repeats", type=int, default=5)
     f.add_argument("--output", default=None, help="also write the figures to this JSON file")
     f.set_defaults(func=run)

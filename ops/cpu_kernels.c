@@ -1816,6 +1816,40 @@ typedef struct {  // one thread's scratch, for G heads of D floats
     const float **krows, **vrows;
 } pf_scratch;
 
+// One online-softmax update of a tile's lanes over a span's n keys from c0 (scores s [n][VW], left as
+// the probabilities): the running max m and sum l of the VW query rows (the first at position p0),
+// and their outputs ot [D][VW] rescaled.
+static void pf_softmax(float *s, int n, int c0, int p0, int last, int window, float softcap, float *m_, float *l_,
+                       float *ot, int D) {
+    // key t is seen by lanes r with t <= p0 + r (causal) and t > p0 + r - window
+    const int masked = c0 + n - 1 > p0 || (window > 0 && c0 <= last - window);
+    const vf m = v_load(m_);
+    vf mx = m;
+    for (int j = 0; j < n; j++) {
+        vf x = v_load(s + (size_t)j * VW);
+        if (softcap > 0.f) {
+            float t[VW];
+            v_store(t, x);
+            for (int r = 0; r < VW; r++) t[r] = softcap * tanhf(t[r] / softcap);
+            x = v_load(t);
+        }
+        if (masked) x = v_lanes(x, c0 + j - p0, window > 0 ? c0 + j - p0 + window : VW, -INFINITY);
+        v_store(s + (size_t)j * VW, x);
+        mx = v_max(mx, x);
+    }
+    const vf alpha = v_exp(v_sub(m, mx));
+    vf tot = v_zero();
+    for (int j = 0; j < n; j++) {
+        vf e = v_exp(v_sub(v_load(s + (size_t)j * VW), mx));
+        if (masked) e = v_lanes(e, c0 + j - p0, window > 0 ? c0 + j - p0 + window : VW, 0.f);  // v_exp's floor
+        v_store(s + (size_t)j * VW, e);
+        tot = v_add(tot, e);
+    }
+    v_store(l_, v_add(v_mul(v_load(l_), alpha), tot));
+    v_store(m_, mx);
+    for (int d = 0; d < D; d++) v_store(ot + (size_t)d * VW, v_mul(v_load(ot + (size_t)d * VW), alpha));
+}
+
 // nr <= VW query rows, the first at position p0 (the rest follow), of the G query heads of KV head h:
 // q rows `qld` floats apart and out rows `ld`, both offset to the first of those heads. Each span's K and V rows are
 // found (and converted, for a cache not in float32) once for the G heads.
@@ -1836,38 +1870,12 @@ static void pf_tile(const float *q, size_t qld, float *out, size_t ld, int nr, i
         const int n = last + 1 - c0 < SPAN ? last + 1 - c0 : SPAN;
         span_rows(kc, tab, c0, n, bs, Hkv, h, D, w->kbuf, w->krows);
         span_rows(vc, tab, c0, n, bs, Hkv, h, D, w->vbuf, w->vrows);
-        // key t is seen by lanes r with t <= p0 + r (causal) and t > p0 + r - window
-        const int masked = c0 + n - 1 > p0 || (window > 0 && c0 <= last - window);
         for (int g = 0; g < G; g++) {
             float *s = w->s, *ot = w->ot + g * hv;
             int j = 0;
             for (; j + 8 <= n; j += 8) pf_qk8(w->qt + g * hv, w->krows + j, s + (size_t)j * VW, D);
             for (; j < n; j++) pf_qk1(w->qt + g * hv, w->krows + j, s + (size_t)j * VW, D);
-            const vf m = v_load(w->m + (size_t)g * VW);
-            vf mx = m;
-            for (j = 0; j < n; j++) {
-                vf x = v_load(s + (size_t)j * VW);
-                if (softcap > 0.f) {
-                    float t[VW];
-                    v_store(t, x);
-                    for (int r = 0; r < VW; r++) t[r] = softcap * tanhf(t[r] / softcap);
-                    x = v_load(t);
-                }
-                if (masked) x = v_lanes(x, c0 + j - p0, window > 0 ? c0 + j - p0 + window : VW, -INFINITY);
-                v_store(s + (size_t)j * VW, x);
-                mx = v_max(mx, x);
-            }
-            const vf alpha = v_exp(v_sub(m, mx));
-            vf tot = v_zero();
-            for (j = 0; j < n; j++) {
-                vf e = v_exp(v_sub(v_load(s + (size_t)j * VW), mx));
-                if (masked) e = v_lanes(e, c0 + j - p0, window > 0 ? c0 + j - p0 + window : VW, 0.f);  // v_exp's floor
-                v_store(s + (size_t)j * VW, e);
-                tot = v_add(tot, e);
-            }
-            v_store(w->l + (size_t)g * VW, v_add(v_mul(v_load(w->l + (size_t)g * VW), alpha), tot));
-            v_store(w->m + (size_t)g * VW, mx);
-            for (int d = 0; d < D; d++) v_store(ot + (size_t)d * VW, v_mul(v_load(ot + (size_t)d * VW), alpha));
+            pf_softmax(s, n, c0, p0, last, window, softcap, w->m + (size_t)g * VW, w->l + (size_t)g * VW, ot, D);
             pf_pv(ot, s, w->vrows, n, D);
         }
     }
@@ -1880,6 +1888,103 @@ static void pf_tile(const float *q, size_t qld, float *out, size_t ld, int nr, i
     }
 }
 
+#if defined(__AVX512BF16__)
+// pf_tile for a bfloat16 cache on the dot-product units, its K and V rows read where they lie (no
+// conversion). The tile's queries (times the scale) and its probabilities are rounded to bfloat16, so
+// a (key, tile) costs D vdpbf16ps of 16 lanes where pf_tile's float32 FMAs took 2 D and a conversion
+// of the rows (decode keeps float32's precision with hi + lo halves: it is bound by reading K and V,
+// prefill by these products; chunks of up to VW rows, a speculative step's verified rows among them,
+// stay on pf_tile, so they score as their decode rows would). Scores: lane r of qt[g][p] holds row r's pair p; each key's pair is
+// broadcast. P.V: keys j, j + 1 interleaved (vt: their pair of values for each d, in the unpacks'
+// order, `slot` below) against the lanes' pair of probabilities (pp).
+static inline int pf_slot_d(int s) { return (s & ~31) + ((s & 15) >> 2) * 8 + (s & 16 ? 4 : 0) + (s & 3); }
+
+static inline __attribute__((always_inline)) void pf_qk8_bf16(const uint32_t *qt, const uint16_t *kb, const size_t *at,
+                                                              float *s, int DP) {
+    vf a[8];
+    for (int j = 0; j < 8; j++) a[j] = v_zero();
+    for (int p = 0; p < DP; p++) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qt + (size_t)p * 16);
+        for (int j = 0; j < 8; j++) {
+            uint32_t k2;
+            memcpy(&k2, kb + at[j] + 2 * p, 4);
+            a[j] = _mm512_dpbf16_ps(a[j], qv, (__m512bh)_mm512_set1_epi32((int)k2));
+        }
+    }
+    for (int j = 0; j < 8; j++) v_store(s + (size_t)j * VW, a[j]);
+}
+
+static void pf_tile_bf16(const float *q, size_t qld, float *out, size_t ld, int nr, int p0, const xq_kv *kc,
+                         const xq_kv *vc, const int32_t *tab, int h, int G, int Hkv, int D, int bs, float scale,
+                         int window, float softcap, pf_scratch *w) {
+    const int DP = D / 2;
+    const size_t hv = (size_t)D * VW;
+    uint32_t *qt = (uint32_t *)w->qt;  // [G][DP][16]: pair p of the 16 rows
+    uint32_t *vt = (uint32_t *)w->kbuf;  // [SPAN / 2][D] pairs of values
+    uint32_t *pp = (uint32_t *)w->vbuf;  // [SPAN / 2][16] pairs of probabilities
+    size_t at[SPAN];
+    const vf sv = v_set1(scale);
+    for (int g = 0; g < G; g++) {
+        for (int p0_ = 0; p0_ < DP; p0_ += 16) {
+            __m512i r[16];
+            for (int j = 0; j < 16; j++) {
+                const float *x = q + (size_t)j * qld + (size_t)g * D + 2 * p0_;
+                r[j] = j < nr ? (__m512i)_mm512_cvtne2ps_pbh(v_mul(v_load(x + 16), sv), v_mul(v_load(x), sv))
+                              : _mm512_setzero_si512();
+            }
+            transpose16(r);
+            for (int c = 0; c < 16; c++) _mm512_storeu_si512(qt + ((size_t)g * DP + p0_ + c) * 16, r[c]);
+        }
+        v_store(w->m + (size_t)g * VW, v_set1(-FLT_MAX));
+        v_store(w->l + (size_t)g * VW, v_zero());
+    }
+    memset(w->ot, 0, sizeof(float) * G * hv);
+    const uint16_t *kb = (const uint16_t *)kc->data + (size_t)h * D, *vb = (const uint16_t *)vc->data + (size_t)h * D;
+    static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i ileave = _mm512_loadu_si512(order);  // lane r: (key 2j, key 2j + 1)
+    const int last = p0 + nr - 1, lo = window > 0 && p0 - window + 1 > 0 ? p0 - window + 1 : 0;
+    for (int c0 = lo; c0 <= last; c0 += SPAN) {
+        const int n = last + 1 - c0 < SPAN ? last + 1 - c0 : SPAN, np = (n + 1) / 2;
+        bf16_span_rows(tab, c0, n, bs, Hkv, D, at);  // padded to whole chunks with row n - 1
+        for (int j = 0; j < np; j++) {
+            const uint16_t *a = vb + at[2 * j], *b = vb + at[2 * j + 1];
+            for (int i = 0; i < D; i += 32) {
+                const __m512i x = _mm512_loadu_si512(a + i), y = _mm512_loadu_si512(b + i);
+                _mm512_storeu_si512(vt + (size_t)j * D + i, _mm512_unpacklo_epi16(x, y));
+                _mm512_storeu_si512(vt + (size_t)j * D + i + 16, _mm512_unpackhi_epi16(x, y));
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            float *s = w->s, *ot = w->ot + g * hv;
+            for (int j = 0; j < n; j += 8) pf_qk8_bf16(qt + (size_t)g * DP * 16, kb, at + j, s + (size_t)j * VW, DP);
+            pf_softmax(s, n, c0, p0, last, window, softcap, w->m + (size_t)g * VW, w->l + (size_t)g * VW, ot, D);
+            for (int j = 0; j < np; j++) {
+                const vf b = 2 * j + 1 < n ? v_load(s + (size_t)(2 * j + 1) * VW) : v_zero();
+                _mm512_storeu_si512(pp + (size_t)j * 16, _mm512_permutexvar_epi16(ileave, (__m512i)_mm512_cvtne2ps_pbh(b, v_load(s + (size_t)2 * j * VW))));
+            }
+            for (int d0 = 0; d0 < D; d0 += 16) {
+                vf a[16];
+                for (int i = 0; i < 16; i++) a[i] = v_load(ot + (size_t)(d0 + i) * VW);
+                for (int j = 0; j < np; j++) {
+                    const __m512bh pj = (__m512bh)_mm512_loadu_si512(pp + (size_t)j * 16);
+                    for (int i = 0; i < 16; i++)
+                        a[i] = _mm512_dpbf16_ps(a[i], pj, (__m512bh)_mm512_set1_epi32((int)vt[(size_t)j * D + d0 + i]));
+                }
+                for (int i = 0; i < 16; i++) v_store(ot + (size_t)(d0 + i) * VW, a[i]);
+            }
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        const float *ot = w->ot + g * hv, *l = w->l + (size_t)g * VW;
+        for (int r = 0; r < nr; r++) {
+            const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+            for (int sl = 0; sl < D; sl++) out[(size_t)r * ld + (size_t)g * D + pf_slot_d(sl)] = ot[(size_t)sl * VW + r] * inv;
+        }
+    }
+}
+#endif
+
 // B prefill sequences: sequence b's q_lens[b] query rows start at row q_starts[b] of q [T, Hq, D] (rows
 // q_ld floats apart: a view into the QKV projection's output) and of out [T, Hq, D], its last at
 // position kv_lens[b] - 1; tables [B, table_stride]. The caches and the other arguments as
@@ -1891,6 +1996,9 @@ void xinfer_paged_prefill(const float *q, int64_t q_ld, void *kc, void *vc, floa
     const xq_kv k = {kc, k_scale, kind, bits, levels, NULL, NULL, NULL};
     const xq_kv v = {vc, v_scale, kind, bits, levels, NULL, NULL, NULL};
     const int G = Hq / Hkv;
+#if defined(__AVX512BF16__)
+    const int on_dp = kind == KV_BF16 && (D == 64 || D == 128);  // pf_tile_bf16
+#endif
     int items = 0;
     for (int b = 0; b < B; b++) items += (q_lens[b] + VW - 1) / VW * Hkv;
     const size_t ld = (size_t)Hq * D;
@@ -1913,6 +2021,13 @@ void xinfer_paged_prefill(const float *q, int64_t q_ld, void *kc, void *vc, floa
             const int tiles = per / Hkv, tile = tiles - 1 - rest / Hkv, h = rest % Hkv;  // the longest tiles first
             const int r0 = tile * VW, nr = q_lens[b] - r0 < VW ? q_lens[b] - r0 : VW;
             const size_t row = (size_t)q_starts[b] + r0, head = (size_t)h * G * D;
+#if defined(__AVX512BF16__)
+            if (on_dp && q_lens[b] > VW) {
+                pf_tile_bf16(q + row * q_ld + head, (size_t)q_ld, out + row * ld + head, ld, nr, kv_lens[b] - q_lens[b] + r0,
+                             &k, &v, tables + (size_t)b * table_stride, h, G, Hkv, D, bs, scale, window, softcap, &w);
+                continue;
+            }
+#endif
             pf_tile(q + row * q_ld + head, (size_t)q_ld, out + row * ld + head, ld, nr, kv_lens[b] - q_lens[b] + r0, &k, &v,
                     tables + (size_t)b * table_stride, h, G, Hkv, D, bs, scale, window, softcap, &w);
         }

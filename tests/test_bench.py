@@ -563,3 +563,7 @@ def test_attention_command(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["kvcache_dtype"] for r in rows] == ["auto", "turbo4"] and all(r["torch_ms"] > 0 for r in rows)
     assert all(("speedup" in r) == cpu_kernels.available() for r in rows)
+    assert cli.main(["attention", "--prefill", "--batch", "2", "--context", "40", "--layers", "1", "--repeats", "1",
+                     "--kvcache-dtype", "bf16", "--output", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["prefill"] and got["rows"][0]["torch_gflops"] > 0
