@@ -1896,9 +1896,7 @@ static void pf_tile(const float *q, size_t qld, float *out, size_t ld, int nr, i
 // prefill by these products; chunks of up to VW rows, a speculative step's verified rows among them,
 // stay on pf_tile, so they score as their decode rows would). Scores: lane r of qt[g][p] holds row r's pair p; each key's pair is
 // broadcast. P.V: keys j, j + 1 interleaved (vt: their pair of values for each d, in the unpacks'
-// order, `slot` below) against the lanes' pair of probabilities (pp).
-static inline int pf_slot_d(int s) { return (s & ~31) + ((s & 15) >> 2) * 8 + (s & 16 ? 4 : 0) + (s & 3); }
-
+// order) against the lanes' pair of probabilities (pp).
 static inline __attribute__((always_inline)) void pf_qk8_bf16(const uint32_t *qt, const uint16_t *kb, const size_t *at,
                                                               float *s, int DP) {
     vf a[8];
@@ -1975,11 +1973,24 @@ static void pf_tile_bf16(const float *q, size_t qld, float *out, size_t ld, int 
             }
         }
     }
+    // each 32 slots back to their d (the unpacks' order, as pv_bf16 puts it back), rows from lanes
+    const __m512i lo_d = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i hi_d = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     for (int g = 0; g < G; g++) {
         const float *ot = w->ot + g * hv, *l = w->l + (size_t)g * VW;
-        for (int r = 0; r < nr; r++) {
-            const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-            for (int sl = 0; sl < D; sl++) out[(size_t)r * ld + (size_t)g * D + pf_slot_d(sl)] = ot[(size_t)sl * VW + r] * inv;
+        float inv[VW];
+        for (int r = 0; r < VW; r++) inv[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        for (int i = 0; i < D; i += 32) {
+            __m512i a[16], b[16];
+            for (int k = 0; k < 16; k++)
+                a[k] = _mm512_loadu_si512(ot + (size_t)(i + k) * VW), b[k] = _mm512_loadu_si512(ot + (size_t)(i + 16 + k) * VW);
+            transpose16(a), transpose16(b);
+            for (int r = 0; r < nr; r++) {
+                float *o = out + (size_t)r * ld + (size_t)g * D + i;
+                const vf x = (vf)a[r], y = (vf)b[r], iv = v_set1(inv[r]);
+                v_store(o, v_mul(_mm512_permutex2var_ps(x, lo_d, y), iv));
+                v_store(o + 16, v_mul(_mm512_permutex2var_ps(x, hi_d, y), iv));
+            }
         }
     }
 }
