@@ -1893,10 +1893,10 @@ static void pf_tile(const float *q, size_t qld, float *out, size_t ld, int nr, i
 // conversion). The tile's queries (times the scale) and its probabilities are rounded to bfloat16, so
 // a (key, tile) costs D vdpbf16ps of 16 lanes where pf_tile's float32 FMAs took 2 D and a conversion
 // of the rows (decode keeps float32's precision with hi + lo halves: it is bound by reading K and V,
-// prefill by these products; chunks of up to VW rows, a speculative step's verified rows among them,
-// stay on pf_tile, so they score as their decode rows would). Scores: lane r of qt[g][p] holds row r's pair p; each key's pair is
-// broadcast. P.V: keys j, j + 1 interleaved (vt: their pair of values for each d, in the unpacks'
-// order) against the lanes' pair of probabilities (pp).
+// prefill by these products; a speculative step's verified rows run as decode rows, AttnMetadata.is_short).
+// Scores: lane r of qt[g][p] holds row r's pair p; each key's pair is broadcast. P.V: keys j, j + 1
+// interleaved (vt: their pair of values for each d, in the unpacks' order) against the lanes' pair of
+// probabilities (pp).
 static inline __attribute__((always_inline)) void pf_qk8_bf16(const uint32_t *qt, const uint16_t *kb, const size_t *at,
                                                               float *s, int DP) {
     vf a[8];
@@ -2033,7 +2033,7 @@ void xinfer_paged_prefill(const float *q, int64_t q_ld, void *kc, void *vc, floa
             const int r0 = tile * VW, nr = q_lens[b] - r0 < VW ? q_lens[b] - r0 : VW;
             const size_t row = (size_t)q_starts[b] + r0, head = (size_t)h * G * D;
 #if defined(__AVX512BF16__)
-            if (on_dp && q_lens[b] > VW) {
+            if (on_dp) {
                 pf_tile_bf16(q + row * q_ld + head, (size_t)q_ld, out + row * ld + head, ld, nr, kv_lens[b] - q_lens[b] + r0,
                              &k, &v, tables + (size_t)b * table_stride, h, G, Hkv, D, bs, scale, window, softcap, &w);
                 continue;

@@ -237,8 +237,7 @@ def test_paged_prefill_matches_gather_sdpa(window, softcap, hq, hkv, d):
 def test_paged_prefill_bf16_dot_products(window, softcap, hq, hkv, d):
     """A bfloat16 cache's prefill attention on the dot-product units rounds the scaled queries and the
     probabilities to bfloat16 once: against the torch path given the same rounded queries, what is left
-    is the probabilities' rounding, at most 2^-9 of the largest value a row averages (bound with margin).
-    Chunks of up to 16 rows (speculative verification) keep float32's precision, as decode rows do."""
+    is the probabilities' rounding, at most 2^-9 of the largest value a row averages (bound with margin)."""
     fused, plain = TorchBackend(), TorchBackend()
     plain._c = None
     for lens, qlens in [([37], [37]), ([300, 5, 21], [300, 1, 21]), ([150, 80], [129, 17]),
@@ -252,10 +251,6 @@ def test_paged_prefill_bf16_dot_products(window, softcap, hq, hkv, d):
         bound = 2 ** -8 * vc.float().abs().max().item() + 1e-5
         assert (got - want).abs().max().item() <= bound
         assert (got - want).abs().max().item() > 0  # the rounded path ran, not the float32 one
-    q, kc, vc, meta = _paged_case(2, [50, 30], [5, 16], hq=hq, hkv=hkv, d=d)
-    kc, vc = kc.bfloat16(), vc.bfloat16()
-    want = plain.forward(q, kc, vc, _plain_meta(meta), 0.125, window, softcap)
-    torch.testing.assert_close(fused.forward(q, kc, vc, meta, 0.125, window, softcap), want, rtol=1e-4, atol=1e-4)
 
 def test_silu_mul_in_one_pass():
     """silu(gate) * up over a gate/up output: float32 as torch computes it, bfloat16 rounded once from
