@@ -1816,11 +1816,25 @@ typedef struct {  // one thread's scratch, for G heads of D floats
     const float **krows, **vrows;
 } pf_scratch;
 
+#if VW == 16
+// exp(x) for x <= 0 to ~4e-5 relative (2^f, |f| <= 1/2, by its degree-4 Taylor polynomial): for
+// probabilities rounded to bfloat16 (2^-9) after, at 9 operations where v_exp takes 15.
+static inline vf v_exp_bf16(vf x) {
+    const vf t = v_mul(v_max(x, v_set1(-100.f)), v_set1(1.44269504088896341f)), n = v_round(t), f = v_sub(t, n);
+    vf p = v_set1(9.6181291e-3f);
+    p = v_fma(p, f, v_set1(5.5504109e-2f));
+    p = v_fma(p, f, v_set1(2.4022651e-1f));
+    p = v_fma(p, f, v_set1(6.9314718e-1f));
+    return v_pow2(v_fma(p, f, v_set1(1.f)), n);
+}
+#endif
+
 // One online-softmax update of a tile's lanes over a span's n keys from c0 (scores s [n][VW], left as
 // the probabilities): the running max m and sum l of the VW query rows (the first at position p0),
-// and their outputs ot [D][VW] rescaled.
-static void pf_softmax(float *s, int n, int c0, int p0, int last, int window, float softcap, float *m_, float *l_,
-                       float *ot, int D) {
+// and their outputs ot [D][VW] rescaled. `bf16`: the probabilities are to be rounded to bfloat16.
+static inline __attribute__((always_inline)) void pf_softmax(float *s, int n, int c0, int p0, int last, int window,
+                                                             float softcap, float *m_, float *l_, float *ot, int D,
+                                                             int bf16) {
     // key t is seen by lanes r with t <= p0 + r (causal) and t > p0 + r - window
     const int masked = c0 + n - 1 > p0 || (window > 0 && c0 <= last - window);
     const vf m = v_load(m_);
@@ -1834,13 +1848,17 @@ static void pf_softmax(float *s, int n, int c0, int p0, int last, int window, fl
             x = v_load(t);
         }
         if (masked) x = v_lanes(x, c0 + j - p0, window > 0 ? c0 + j - p0 + window : VW, -INFINITY);
-        v_store(s + (size_t)j * VW, x);
+        if (masked || softcap > 0.f) v_store(s + (size_t)j * VW, x);
         mx = v_max(mx, x);
     }
     const vf alpha = v_exp(v_sub(m, mx));
     vf tot = v_zero();
     for (int j = 0; j < n; j++) {
+#if VW == 16
+        vf e = bf16 ? v_exp_bf16(v_sub(v_load(s + (size_t)j * VW), mx)) : v_exp(v_sub(v_load(s + (size_t)j * VW), mx));
+#else
         vf e = v_exp(v_sub(v_load(s + (size_t)j * VW), mx));
+#endif
         if (masked) e = v_lanes(e, c0 + j - p0, window > 0 ? c0 + j - p0 + window : VW, 0.f);  // v_exp's floor
         v_store(s + (size_t)j * VW, e);
         tot = v_add(tot, e);
@@ -1875,7 +1893,7 @@ static void pf_tile(const float *q, size_t qld, float *out, size_t ld, int nr, i
             int j = 0;
             for (; j + 8 <= n; j += 8) pf_qk8(w->qt + g * hv, w->krows + j, s + (size_t)j * VW, D);
             for (; j < n; j++) pf_qk1(w->qt + g * hv, w->krows + j, s + (size_t)j * VW, D);
-            pf_softmax(s, n, c0, p0, last, window, softcap, w->m + (size_t)g * VW, w->l + (size_t)g * VW, ot, D);
+            pf_softmax(s, n, c0, p0, last, window, softcap, w->m + (size_t)g * VW, w->l + (size_t)g * VW, ot, D, 0);
             pf_pv(ot, s, w->vrows, n, D);
         }
     }
@@ -1897,17 +1915,20 @@ static void pf_tile(const float *q, size_t qld, float *out, size_t ld, int nr, i
 // Scores: lane r of qt[g][p] holds row r's pair p; each key's pair is broadcast. P.V: keys j, j + 1
 // interleaved (vt: their pair of values for each d, in the unpacks' order) against the lanes' pair of
 // probabilities (pp).
+// acc += v . the pair at p broadcast to every lane: one instruction with its memory operand (gcc
+// otherwise loads the broadcast into a register first).
+static inline __attribute__((always_inline)) __m512 dp_bcast(__m512 acc, __m512bh v, const void *p) {
+    __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(v), "m"(*(const uint32_t *)p));
+    return acc;
+}
+
 static inline __attribute__((always_inline)) void pf_qk8_bf16(const uint32_t *qt, const uint16_t *kb, const size_t *at,
                                                               float *s, int DP) {
     vf a[8];
     for (int j = 0; j < 8; j++) a[j] = v_zero();
     for (int p = 0; p < DP; p++) {
         const __m512bh qv = (__m512bh)_mm512_loadu_si512(qt + (size_t)p * 16);
-        for (int j = 0; j < 8; j++) {
-            uint32_t k2;
-            memcpy(&k2, kb + at[j] + 2 * p, 4);
-            a[j] = _mm512_dpbf16_ps(a[j], qv, (__m512bh)_mm512_set1_epi32((int)k2));
-        }
+        for (int j = 0; j < 8; j++) a[j] = dp_bcast(a[j], qv, kb + at[j] + 2 * p);
     }
     for (int j = 0; j < 8; j++) v_store(s + (size_t)j * VW, a[j]);
 }
@@ -1956,7 +1977,7 @@ static void pf_tile_bf16(const float *q, size_t qld, float *out, size_t ld, int 
         for (int g = 0; g < G; g++) {
             float *s = w->s, *ot = w->ot + g * hv;
             for (int j = 0; j < n; j += 8) pf_qk8_bf16(qt + (size_t)g * DP * 16, kb, at + j, s + (size_t)j * VW, DP);
-            pf_softmax(s, n, c0, p0, last, window, softcap, w->m + (size_t)g * VW, w->l + (size_t)g * VW, ot, D);
+            pf_softmax(s, n, c0, p0, last, window, softcap, w->m + (size_t)g * VW, w->l + (size_t)g * VW, ot, D, 1);
             for (int j = 0; j < np; j++) {
                 const vf b = 2 * j + 1 < n ? v_load(s + (size_t)(2 * j + 1) * VW) : v_zero();
                 _mm512_storeu_si512(pp + (size_t)j * 16, _mm512_permutexvar_epi16(ileave, (__m512i)_mm512_cvtne2ps_pbh(b, v_load(s + (size_t)2 * j * VW))));
@@ -1967,7 +1988,7 @@ static void pf_tile_bf16(const float *q, size_t qld, float *out, size_t ld, int 
                 for (int j = 0; j < np; j++) {
                     const __m512bh pj = (__m512bh)_mm512_loadu_si512(pp + (size_t)j * 16);
                     for (int i = 0; i < 16; i++)
-                        a[i] = _mm512_dpbf16_ps(a[i], pj, (__m512bh)_mm512_set1_epi32((int)vt[(size_t)j * D + d0 + i]));
+                        a[i] = dp_bcast(a[i], pj, vt + (size_t)j * D + d0 + i);
                 }
                 for (int i = 0; i < 16; i++) v_store(ot + (size_t)(d0 + i) * VW, a[i]);
             }
