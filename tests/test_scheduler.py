@@ -32,6 +32,18 @@ def test_chunked_prefill_respects_budget_and_chunk():
     assert sum(x.num_tokens for x in plan.scheduled) <= 10
 
 
+def test_a_prompt_alone_takes_the_whole_budget_on_a_cpu():
+    s = make(num_blocks=400, max_num_batched_tokens=1000)  # the chunk size left to auto: 512 on a CPU
+    s.add(seq(1, 2000))
+    assert [x.num_tokens for x in run_step(s).scheduled] == [1000]  # nothing beside it: the whole budget
+    s.add(seq(2, 3))
+    assert [(x.seq_id, x.num_tokens) for x in run_step(s).scheduled] == [(1, 512), (2, 3)]  # the cap again
+    s = make(num_blocks=400, max_num_batched_tokens=1000, prefill_chunk_size=300)  # asked for: kept
+    s.add(seq(1, 1500))
+    assert [x.num_tokens for x in run_step(s).scheduled] == [300]
+    assert EngineConfig(device="cuda").prefill_chunk_alone == 2048  # CUDA: unchanged
+
+
 def test_prefix_cache_hit_and_last_block_recomputed():
     s = make()
     a = seq(1, 12)

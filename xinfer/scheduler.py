@@ -130,7 +130,11 @@ class Scheduler:
             self._inflight.clear()
         prev = {s.seq_id: n for s, n, *_ in self._inflight[-1]} if ahead else {}
         budget = self.config.max_num_batched_tokens
+        # the chunk cap keeps decoding sequences' tokens coming and lets short prompts in beside a long
+        # one; a prompt alone may take more (EngineConfig.prefill_chunk_alone)
         chunk = self.config.prefill_chunk_size
+        if len(self.running) + len(self.waiting) == 1:
+            chunk = self.config.prefill_chunk_alone or chunk
         scheduled: list[tuple[Sequence, int, list[int], int, bytes]] = []  # seq, tokens, blocks, drafts
         new_seqs: list[NewSeq] = []
         self.suspects = [s for s in self.suspects if s in self.running or s in self.waiting]
