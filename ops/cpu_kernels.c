@@ -98,6 +98,23 @@ static inline void q8_rows(const int8_t *qs, const float *d, const float *mn, in
     for (int r = 0; r < rows; r++) y[(size_t)r * ldy + n] = hsum(acc[r]);
 }
 
+// r[c] = the 16 rows' value c: a 16 x 16 transpose of 32-bit values.
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2)
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    for (int i = 0; i < 16; i += 4) {  // u[i + e]: rows i .. i + 3's value 4l + e in 128-bit lane l
+        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]), u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]), u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int e = 0; e < 4; e++) {
+        const __m512i a = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x44), b = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xEE);
+        const __m512i c = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44), d = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xEE);
+        r[e] = _mm512_shuffle_i32x4(a, c, 0x88), r[4 + e] = _mm512_shuffle_i32x4(a, c, 0xDD);
+        r[8 + e] = _mm512_shuffle_i32x4(b, d, 0x88), r[12 + e] = _mm512_shuffle_i32x4(b, d, 0xDD);
+    }
+}
+
 #if defined(__AVX512BF16__)
 // --cpu-matmul bfloat16 on a CPU with AVX512_BF16: the same weights, rounded to bfloat16 with the
 // activations, on the dot-product units (32 products an instruction against 16 FMAs): twice the
@@ -204,23 +221,6 @@ static inline __attribute__((always_inline)) __m512bh panel_weights(const uint8_
 #define PANEL_DOTS(acc, w, xt, ld, p, rows) \
     for (int r = 0; r < (rows); r++)        \
     acc[r] = _mm512_dpbf16_ps(acc[r], w, (__m512bh)_mm512_set1_epi32((int)(xt)[(size_t)(p) * (ld) + r]))
-
-// r[c] = the 16 rows' value c: a 16 x 16 transpose of 32-bit values.
-static inline void transpose16(__m512i r[16]) {
-    __m512i t[16], u[16];
-    for (int i = 0; i < 16; i += 2)
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    for (int i = 0; i < 16; i += 4) {  // u[i + e]: rows i .. i + 3's value 4l + e in 128-bit lane l
-        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]), u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]), u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int e = 0; e < 4; e++) {
-        const __m512i a = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x44), b = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xEE);
-        const __m512i c = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44), d = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xEE);
-        r[e] = _mm512_shuffle_i32x4(a, c, 0x88), r[4 + e] = _mm512_shuffle_i32x4(a, c, 0xDD);
-        r[8 + e] = _mm512_shuffle_i32x4(b, d, 0x88), r[12 + e] = _mm512_shuffle_i32x4(b, d, 0xDD);
-    }
-}
 
 // The rows x [M, K] rounded to bfloat16 as the panels read them: pass by pass (PANEL_ROWS rows), pair
 // of inputs by pair, the pass's rows side by side, ld = min(M, PANEL_ROWS) apart (zeros past M). One
@@ -1903,10 +1903,21 @@ static void pf_tile(const float *q, size_t qld, float *out, size_t ld, int nr, i
     }
     for (int g = 0; g < G; g++) {
         const float *ot = w->ot + g * hv, *l = w->l + (size_t)g * VW;
+#if VW == 16  // rows from lanes, 16 values of d at a time
+        float inv[VW];
+        for (int r = 0; r < VW; r++) inv[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        for (int d0 = 0; d0 < D; d0 += 16) {
+            __m512i t[16];
+            for (int k = 0; k < 16; k++) t[k] = _mm512_loadu_si512(ot + (size_t)(d0 + k) * VW);
+            transpose16(t);
+            for (int r = 0; r < nr; r++) v_store(out + (size_t)r * ld + (size_t)g * D + d0, v_mul((vf)t[r], v_set1(inv[r])));
+        }
+#else
         for (int r = 0; r < nr; r++) {
             const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
             for (int d = 0; d < D; d++) out[(size_t)r * ld + (size_t)g * D + d] = ot[(size_t)d * VW + r] * inv;
         }
+#endif
     }
 }
 
