@@ -212,22 +212,26 @@ def test_paged_decode_bf16_dot_products(window, softcap, hq, hkv, d):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("window,softcap", [(None, None), (7, None), (None, 30.0), (40, None)])
-@pytest.mark.parametrize("hq,hkv,d", [(6, 2, 64), (4, 4, 128), (3, 1, 64)])
-def test_paged_prefill_matches_gather_sdpa(window, softcap, hq, hkv, d):
-    """Prefill chunks read the paged cache in place (xinfer_paged_prefill): whole prompts, chunks after
-    earlier context, lengths off the vector width and past a span (128 keys), beside decode rows."""
-    fused, plain = TorchBackend(), TorchBackend()
-    plain._c = None
+def _prefill_cases(hq, hkv, d):
+    """Whole prompts, chunks after earlier context, lengths off the vector width and past a span (128
+    keys), beside decode rows; q a view into a QKV output, as in a model."""
     for lens, qlens in [([37], [37]), ([300, 5, 21], [300, 1, 21]), ([150, 80], [129, 17]),
                         ([1, 40, 33, 19], [1, 40, 30, 19])]:
         q, kc, vc, meta = _paged_case(len(lens), lens, qlens, hq=hq, hkv=hkv, d=d)
-        q = torch.cat([q, torch.randn(q.shape[0], 2, d)], 1)[:, :hq]  # a view into a QKV output, as in a model
+        yield torch.cat([q, torch.randn(q.shape[0], 2, d)], 1)[:, :hq], kc, vc, meta
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (7, None), (None, 30.0), (40, None)])
+@pytest.mark.parametrize("hq,hkv,d", [(6, 2, 64), (4, 4, 128), (3, 1, 64)])
+def test_paged_prefill_matches_gather_sdpa(window, softcap, hq, hkv, d):
+    """Prefill chunks read the paged cache in place (xinfer_paged_prefill), float32 cache (_prefill_cases)."""
+    fused, plain = TorchBackend(), TorchBackend()
+    plain._c = None
+    for q, kc, vc, meta in _prefill_cases(hq, hkv, d):
         want = plain.forward(q, kc, vc, _plain_meta(meta), 0.125, window, softcap)
         got = fused.forward(q, kc, vc, meta, 0.125, window, softcap)
         assert meta.cache["torch"]["prefill_c"] is not None
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-
 
 
 @pytest.mark.skipif(not cpu_kernels.has_bf16(), reason="this build has no AVX512_BF16 dot products (the bf16 "
@@ -240,10 +244,7 @@ def test_paged_prefill_bf16_dot_products(window, softcap, hq, hkv, d):
     is the probabilities' rounding, at most 2^-9 of the largest value a row averages (bound with margin)."""
     fused, plain = TorchBackend(), TorchBackend()
     plain._c = None
-    for lens, qlens in [([37], [37]), ([300, 5, 21], [300, 1, 21]), ([150, 80], [129, 17]),
-                        ([1, 40, 33, 19], [1, 40, 30, 19])]:
-        q, kc, vc, meta = _paged_case(len(lens), lens, qlens, hq=hq, hkv=hkv, d=d)
-        q = torch.cat([q, torch.randn(q.shape[0], 2, d)], 1)[:, :hq]  # a view into a QKV output, as in a model
+    for q, kc, vc, meta in _prefill_cases(hq, hkv, d):
         kc, vc = kc.bfloat16(), vc.bfloat16()
         want = plain.forward(q.bfloat16().float(), kc, vc, _plain_meta(meta), 0.125, window, softcap)
         got = fused.forward(q, kc, vc, meta, 0.125, window, softcap)
