@@ -294,7 +294,11 @@ static inline __attribute__((always_inline)) void panel_dot_bf16(const __m512bh 
 
 // gcc turns the accumulators' zeroing into a memset of the array before keeping them in registers
 // anyway: ~1% of a 64-row decode step in calls (perf), without loop-pattern distribution here.
+#if defined(__GNUC__) && !defined(__clang__)
 #define NO_MEMSET __attribute__((optimize("no-tree-loop-distribute-patterns")))
+#else
+#define NO_MEMSET
+#endif
 
 NO_MEMSET static void panel_rows(const uint8_t *q, const float *dn, const float *mn, const uint32_t *xb, int ld, float *y,
                        int K, int ldy, const float *bias, int kind, int rows) {
@@ -1824,7 +1828,7 @@ typedef struct {  // one thread's scratch, for G heads of D floats
 // exp(x) for x <= 0 to ~4e-5 relative (2^f, |f| <= 1/2, by its degree-4 Taylor polynomial): for
 // probabilities rounded to bfloat16 (2^-9) after, at 9 operations where v_exp takes 15.
 static inline vf v_exp_bf16(vf x) {
-    const vf t = v_mul(v_max(x, v_set1(-100.f)), v_set1(1.44269504088896341f)), n = v_round(t), f = v_sub(t, n);
+    const vf t = v_mul(v_max(x, v_set1(-87.3f)), v_set1(1.44269504088896341f)), n = v_round(t), f = v_sub(t, n);
     vf p = v_set1(9.6181291e-3f);
     p = v_fma(p, f, v_set1(5.5504109e-2f));
     p = v_fma(p, f, v_set1(2.4022651e-1f));

@@ -253,6 +253,7 @@ def test_paged_prefill_bf16_dot_products(window, softcap, hq, hkv, d):
         assert (got - want).abs().max().item() <= bound
         assert (got - want).abs().max().item() > 0  # the rounded path ran, not the float32 one
 
+
 def test_silu_mul_in_one_pass():
     """silu(gate) * up over a gate/up output: float32 as torch computes it, bfloat16 rounded once from
     the float32 result (torch rounds silu's output and then the product)."""
