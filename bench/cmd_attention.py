@@ -3,9 +3,9 @@ runs it, for each KV format.
 
 B sequences of `--context` positions (`--prefill`: each a whole prompt of that many tokens, causal),
 `--layers` separate caches (so, as in a model, a step reads every layer's K and V from memory, not from a
-cache level that one reused layer would sit in), SmolLM2's heads by default. Each format's cache is written by the backend's own store; the C kernels (ops/cpu_kernels.c)
-and the torch path (gather + SDPA, the baseline) run in the same process, alternated, the best of
-`--repeats` rounds kept. A step = one attention call per layer."""
+cache level that one reused layer would sit in), SmolLM2's heads by default. Each format's cache is
+written by the backend's own store; the C kernels (ops/cpu_kernels.c) and the torch path (gather + SDPA,
+the baseline) run in the same process, alternated, the best of `--repeats` rounds kept. A step = one attention call per layer."""
 from __future__ import annotations
 
 import json

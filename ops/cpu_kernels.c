@@ -1835,6 +1835,8 @@ static inline vf v_exp_bf16(vf x) {
     p = v_fma(p, f, v_set1(6.9314718e-1f));
     return v_pow2(v_fma(p, f, v_set1(1.f)), n);
 }
+#else
+#define v_exp_bf16 v_exp  // the AVX2 build has no bfloat16 tile
 #endif
 
 // One online-softmax update of a tile's lanes over a span's n keys from c0 (scores s [n][VW], left as
@@ -1862,11 +1864,8 @@ static inline __attribute__((always_inline)) void pf_softmax(float *s, int n, in
     const vf alpha = v_exp(v_sub(m, mx));
     vf tot = v_zero();
     for (int j = 0; j < n; j++) {
-#if VW == 16
-        vf e = bf16 ? v_exp_bf16(v_sub(v_load(s + (size_t)j * VW), mx)) : v_exp(v_sub(v_load(s + (size_t)j * VW), mx));
-#else
-        vf e = v_exp(v_sub(v_load(s + (size_t)j * VW), mx));
-#endif
+        const vf x = v_sub(v_load(s + (size_t)j * VW), mx);
+        vf e = bf16 ? v_exp_bf16(x) : v_exp(x);
         if (masked) e = v_lanes(e, c0 + j - p0, window > 0 ? c0 + j - p0 + window : VW, 0.f);  // v_exp's floor
         v_store(s + (size_t)j * VW, e);
         tot = v_add(tot, e);
@@ -1926,14 +1925,6 @@ static void pf_tile(const float *q, size_t qld, float *out, size_t ld, int nr, i
 }
 
 #if defined(__AVX512BF16__)
-// pf_tile for a bfloat16 cache on the dot-product units, its K and V rows read where they lie (no
-// conversion). The tile's queries (times the scale) and its probabilities are rounded to bfloat16, so
-// a (key, tile) costs D vdpbf16ps of 16 lanes where pf_tile's float32 FMAs took 2 D and a conversion
-// of the rows (decode keeps float32's precision with hi + lo halves: it is bound by reading K and V,
-// prefill by these products; a speculative step's verified rows run as decode rows, AttnMetadata.is_short).
-// Scores: lane r of qt[g][p] holds row r's pair p; each key's pair is broadcast. P.V: keys j, j + 1
-// interleaved (vt: their pair of values for each d, in the unpacks' order) against the lanes' pair of
-// probabilities (pp).
 // acc += v . the pair at p broadcast to every lane: one instruction with its memory operand (gcc
 // otherwise loads the broadcast into a register first).
 static inline __attribute__((always_inline)) __m512 dp_bcast(__m512 acc, __m512bh v, const void *p) {
@@ -1952,6 +1943,14 @@ static inline __attribute__((always_inline)) void pf_qk8_bf16(const uint32_t *qt
     for (int j = 0; j < 8; j++) v_store(s + (size_t)j * VW, a[j]);
 }
 
+// pf_tile for a bfloat16 cache on the dot-product units, its K and V rows read where they lie (no
+// conversion). The tile's queries (times the scale) and its probabilities are rounded to bfloat16, so
+// a (key, tile) costs D vdpbf16ps of 16 lanes where pf_tile's float32 FMAs took 2 D and a conversion
+// of the rows (decode keeps float32's precision with hi + lo halves: it is bound by reading K and V,
+// prefill by these products; a speculative step's verified rows run as decode rows, AttnMetadata.is_short).
+// Scores: lane r of qt[g][p] holds row r's pair p; each key's pair is broadcast. P.V: keys j, j + 1
+// interleaved (vt: their pair of values for each d, in the unpacks' order) against the lanes' pair of
+// probabilities (pp).
 static void pf_tile_bf16(const float *q, size_t qld, float *out, size_t ld, int nr, int p0, const xq_kv *kc,
                          const xq_kv *vc, const int32_t *tab, int h, int G, int Hkv, int D, int bs, float scale,
                          int window, float softcap, pf_scratch *w) {
