@@ -175,8 +175,8 @@ static inline __attribute__((always_inline)) void q8_rows_bf16(const int8_t *qs,
 // Weights in 16-column panels (xinfer_panels), for the bfloat16 kernels: per 16 output columns,
 // per 32-weight block, per pair of inputs (k, k + 1), the 32 weights of one dot-product
 // instruction: lanes 0-15 are columns 0-7 (k and k + 1 side by side), lanes 16-31 columns 8-15.
-// q4 (kind 0): 16 bytes, lane j in byte j's low nibble and lane 16 + j in its high one; q8 (1): 32
-// signed bytes. d and m per (panel, block) as 16 floats (m 0 for q8 without offsets). Integer
+// q4 (kind 0): 32 bytes for two pairs, lane j in byte j's low nibble for the even pair and in its
+// high nibble for the odd one; q8 (1): 32 signed bytes a pair. d and m per (panel, block) as 16 floats (m 0 for q8 without offsets). Integer
 // conversions, two FMAs and one rounding make the bfloat16 weights (the same values as the
 // q4_block_bf16 / q8_block ones), which every row then uses: one weight stream a thread, read once
 // a call, and no horizontal sums.
@@ -186,8 +186,12 @@ static inline __attribute__((always_inline)) __m512bh panel_weights(const uint8_
                                                                     __m512 d0, __m512 d1, __m512 m0, __m512 m1) {
     __m512i i0, i1;
     if (kind == 0) {
-        const __m512i w8 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + ((size_t)b * 16 + p) * 16)));
-        i0 = _mm512_and_si512(w8, _mm512_set1_epi32(0x0F)), i1 = _mm512_srli_epi32(w8, 4);
+        const uint8_t *w8 = q + ((size_t)b * 8 + p / 2) * 32;
+        const __m512i low = _mm512_set1_epi32(0x0F);
+        i0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)w8));
+        i1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w8 + 16)));
+        if (p & 1) i0 = _mm512_srli_epi32(i0, 4), i1 = _mm512_srli_epi32(i1, 4);
+        i0 = _mm512_and_si512(i0, low), i1 = _mm512_and_si512(i1, low);
     } else {
         const int8_t *w8 = (const int8_t *)q + ((size_t)b * 16 + p) * 32;
         i0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w8));
@@ -215,6 +219,7 @@ static inline __attribute__((always_inline)) __m512bh panel_weights(const uint8_
     } while (0)
 
 #define PANEL_ROWS 16  // rows a pass: 16 accumulators
+#define Q4X_ROWS 8     // panel_dot_q4x's: a block's sums and the totals, 16 registers (ROWS_CASES's eight)
 
 // acc[r] += row r's inputs (2p, 2p + 1) times w; xt: a pass's rows pair by pair, ld apart (panel_acts),
 // so the broadcasts come from one line.
@@ -225,7 +230,9 @@ static inline __attribute__((always_inline)) __m512bh panel_weights(const uint8_
 // The rows x [M, K] rounded to bfloat16 as the panels read them: pass by pass (PANEL_ROWS rows), pair
 // of inputs by pair, the pass's rows side by side, ld = min(M, PANEL_ROWS) apart (zeros past M). One
 // row is its own pairs.
-static uint32_t *panel_acts(const float *x, int M, int K, int *ld) {
+// sx (or NULL): the rounded rows' sums, 32 inputs (a q4 block) at a time, sx[(i * K / 32 + b) * ld + r]
+// for pass i's row r (panel_dot_q4x).
+static uint32_t *panel_acts(const float *x, int M, int K, int *ld, float *sx) {
     const int kp = K / 2, np = (M + PANEL_ROWS - 1) / PANEL_ROWS, R = M < PANEL_ROWS ? M : PANEL_ROWS;
     const __mmask16 keep = (__mmask16)((1u << R) - 1);
     uint32_t *xt = aligned_alloc(64, sizeof(uint32_t) * (((size_t)np * kp * R + 15) / 16 * 16));
@@ -234,8 +241,13 @@ static uint32_t *panel_acts(const float *x, int M, int K, int *ld) {
         for (int p0 = 0; p0 < kp; p0 += 16) {
             uint32_t *dst = xt + ((size_t)i * kp + p0) * R;
             const float *x0 = x + (size_t)i * PANEL_ROWS * K + 2 * p0;
+            float *sums = sx ? sx + ((size_t)i * (K / 32) + p0 / 16) * R : NULL;
+            const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80);
+#define BLOCK_SUM(v) _mm512_reduce_add_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)(v), ones))
             if (R == 1) {
-                _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x0 + 16), _mm512_loadu_ps(x0)));
+                const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x0 + 16), _mm512_loadu_ps(x0));
+                _mm512_storeu_si512(dst, v);
+                if (sums) sums[0] = BLOCK_SUM(v);
                 continue;
             }
             __m512i r[16];
@@ -243,6 +255,9 @@ static uint32_t *panel_acts(const float *x, int M, int K, int *ld) {
                 r[j] = j < R && i * PANEL_ROWS + j < M
                            ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x0 + (size_t)j * K + 16), _mm512_loadu_ps(x0 + (size_t)j * K))
                            : _mm512_setzero_si512();
+            if (sums)
+                for (int j = 0; j < R; j++) sums[j] = BLOCK_SUM(r[j]);
+#undef BLOCK_SUM
             transpose16(r);
             for (int c = 0; c < 16; c++) _mm512_mask_storeu_epi32(dst + (size_t)c * R, keep, r[c]);
         }
@@ -263,6 +278,35 @@ static inline __attribute__((always_inline)) void panel_dot(const uint8_t *q, co
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     PANEL_FOR_EACH(dn, mn, K / 32, PANEL_DOTS(acc, w, xt, ld, b * 16 + p, rows));
     panel_store(acc, y, ldy, bias, rows);
+}
+
+// One pass of q4 panels with the nibbles as exact bfloat16 integers: the bits 0x4180 | q << 3 are
+// 16 + q, so a weight vector is two integer operations, none on the units the dot products need
+// (panel_dot converts, scales and rounds on them). Each block's sums are scaled once a row instead:
+// d * sum x (16 + q) + (m - 16 d) * sum x, sx the rounded inputs' block sums (panel_acts). The
+// weights are not rounded.
+static inline __attribute__((always_inline)) void panel_dot_q4x(const uint8_t *q, const float *dn, const float *mn,
+                                                               const uint32_t *xt, int ld, const float *sx, float *y,
+                                                               int K, int ldy, const float *bias, int rows) {
+    const __m512i mask = _mm512_set1_epi16(0x78), base = _mm512_set1_epi16(0x4180);
+    __m512 tot[Q4X_ROWS];
+    for (int r = 0; r < rows; r++) tot[r] = _mm512_setzero_ps();
+    for (int b = 0; b < K / 32; b++) {
+        __m512 acc[Q4X_ROWS];
+        for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+        for (int p = 0; p < 16; p += 2) {
+            const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + ((size_t)b * 8 + p / 2) * 32)));
+            const __m512bh w0 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_slli_epi16(v, 3), mask, base, 0xEA);  // (a & b) | c
+            PANEL_DOTS(acc, w0, xt, ld, b * 16 + p, rows);
+            const __m512bh w1 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 1), mask, base, 0xEA);
+            PANEL_DOTS(acc, w1, xt, ld, b * 16 + p + 1, rows);
+        }
+        const __m512 d = _mm512_loadu_ps(dn + b * 16);
+        const __m512 m = _mm512_fnmadd_ps(_mm512_set1_ps(16.f), d, _mm512_loadu_ps(mn + b * 16));
+        for (int r = 0; r < rows; r++)
+            tot[r] = _mm512_fmadd_ps(acc[r], d, _mm512_fmadd_ps(m, _mm512_set1_ps(sx[b * ld + r]), tot[r]));
+    }
+    panel_store(tot, y, ldy, bias, rows);
 }
 
 // A panel's bfloat16 weights written out once (K / 2 vectors) for batches of several passes: each
@@ -300,11 +344,22 @@ static inline __attribute__((always_inline)) void panel_dot_bf16(const __m512bh 
 #define NO_MEMSET
 #endif
 
-NO_MEMSET static void panel_rows(const uint8_t *q, const float *dn, const float *mn, const uint32_t *xb, int ld, float *y,
-                       int K, int ldy, const float *bias, int kind, int rows) {
-#define QP(R) (kind == 0 ? panel_dot(q, dn, mn, xb, ld, y, K, ldy, bias, 0, R) \
-                         : panel_dot(q, dn, mn, xb, ld, y, K, ldy, bias, 1, R))
+// q8 panels in one pass (q4 ones take panel_rows_q4x)
+NO_MEMSET static void panel_rows_q8(const uint8_t *q, const float *dn, const float *mn, const uint32_t *xb, int ld,
+                                    float *y, int K, int ldy, const float *bias, int rows) {
+#define QP(R) panel_dot(q, dn, mn, xb, ld, y, K, ldy, bias, 1, R)
     PANEL_CASES(QP);
+#undef QP
+}
+
+NO_MEMSET static void panel_rows_q4x(const uint8_t *q, const float *dn, const float *mn, const uint32_t *xb, int ld,
+                                     const float *sx, float *y, int K, int ldy, const float *bias, int rows) {
+#define QP(R) panel_dot_q4x(q, dn, mn, xb, ld, sx, y, K, ldy, bias, R)
+    if (rows > Q4X_ROWS) {  // two passes, the weights rebuilt for each (measured faster than totals in memory)
+        panel_rows_q4x(q, dn, mn, xb, ld, sx, y, K, ldy, bias, Q4X_ROWS);
+        xb += Q4X_ROWS, sx += Q4X_ROWS, y += (size_t)Q4X_ROWS * ldy, rows -= Q4X_ROWS;
+    }
+    ROWS_CASES(QP);  // 1 .. Q4X_ROWS
 #undef QP
 }
 
@@ -757,7 +812,9 @@ static void mm_team(const xq_linear *w, const float *x, float *y, int M, kv_pf *
         // several passes: a panel's weights are rebuilt once, into wb, and read back by every pass
         __m512bh *wb = M > PANEL_ROWS ? aligned_alloc(64, sizeof(__m512bh) * (size_t)w->K / 2) : NULL;
         int ld;
-        uint32_t *xt = panel_acts(x, M, w->K, &ld);
+        // one pass of q4: the nibbles as exact integers (panel_dot_q4x)
+        float *sx = w->kind == 0 && !wb ? aligned_alloc(64, sizeof(float) * nb * PANEL_ROWS) : NULL;
+        uint32_t *xt = panel_acts(x, M, w->K, &ld, sx);
 #pragma omp for schedule(static)
         for (int g = 0; g < w->N / 16; g++) {
             const uint8_t *q = w->pq + (size_t)g * (w->kind ? 16 : 8) * w->K;
@@ -773,12 +830,13 @@ static void mm_team(const xq_linear *w, const float *x, float *y, int M, kv_pf *
                 float *yg = y + (size_t)m0 * w->N + g * 16;
                 const uint32_t *xp = xt + (size_t)m0 / PANEL_ROWS * ld * w->K / 2;
                 if (wb) panel_rows_bf16(wb, xp, ld, yg, w->K, w->N, bias, rows);
-                else panel_rows(q, dn, mn, xp, ld, yg, w->K, w->N, bias, w->kind, rows);
+                else if (sx) panel_rows_q4x(q, dn, mn, xp, ld, sx, yg, w->K, w->N, bias, rows);
+                else panel_rows_q8(q, dn, mn, xp, ld, yg, w->K, w->N, bias, rows);
             }
             if (pf)
                 for (int i = 0; i < 16; i++) pf_step(pf);  // as often as the row loop below would
         }
-        free(wb), free(xt);
+        free(wb), free(xt), free(sx);
         return;
     }
     uint16_t *xb = w->prec == PREC_BF16 ? malloc(sizeof(uint16_t) * (size_t)M * w->K) : NULL;
@@ -835,8 +893,8 @@ void xinfer_panels(const uint8_t *qs, const float *d, const float *mn, int kind,
                 if (kind == 0) {
                     const uint8_t *src = qs + i * 16;  // weights j and 16 + j in byte j
                     const uint8_t v = k < 16 ? src[k] & 0x0F : src[k - 16] >> 4;
-                    uint8_t *dst = pq + (blk * 16 + k / 2) * 16 + lane;
-                    *dst = c < 8 ? (uint8_t)((*dst & 0xF0) | v) : (uint8_t)((*dst & 0x0F) | (v << 4));
+                    uint8_t *dst = pq + (blk * 8 + k / 4) * 32 + (c < 8 ? 0 : 16) + lane;
+                    *dst = k / 2 % 2 ? (uint8_t)((*dst & 0x0F) | (v << 4)) : (uint8_t)((*dst & 0xF0) | v);
                 } else {
                     pq[(blk * 16 + k / 2) * 32 + (c < 8 ? 0 : 16) + lane] = qs[i * 32 + k];
                 }
