@@ -1623,9 +1623,13 @@ static inline __attribute__((always_inline)) void pv_bf16(const uint16_t *base, 
 }
 
 // attend_span for a bfloat16 cache: qh / ql the sequence's query heads [Hq, D] split in two.
+// an (nn rows, or none): the span that comes next (this sequence's or the thread's next item's), its
+// K and V fetched toward L2 a chunk each chunk, so its reads find them there: spans read cold came
+// out ~10% slower (bench/NOTES-cpu.md).
 static void attend_span_bf16(const uint16_t *qh, const uint16_t *ql, const xq_kv *kc, const xq_kv *vc,
                              const int32_t *tab, int c0, int n, int G, int Hkv, int D, int bs, float scale,
-                             float softcap, float *const *o, float *const *mx, float *const *sum) {
+                             float softcap, float *const *o, float *const *mx, float *const *sum,
+                             const size_t *an, int nn) {
     const int nc = (n + VW - 1) / VW, KD = D / 32, row = Hkv * D * 2;
     float sc[Hkv * G][SPAN];
     uint16_t ph[Hkv * G][SPAN], pl[Hkv * G][SPAN];
@@ -1639,6 +1643,7 @@ static void attend_span_bf16(const uint16_t *qh, const uint16_t *ql, const xq_kv
         if (!kc->warm) {  // the next chunk's keys, and this chunk's values for P.V after the span's scores
             if (c + 1 < nc) prefetch_rows(kb, ac + VW, row, 0);
             prefetch_rows(vb, ac, row, 1);
+            if (c * VW < nn) prefetch_rows(kb, an + c * VW, row, 1), prefetch_rows(vb, an + c * VW, row, 1);
         }
         for (int h = 0; h < Hkv; h++)
             for (int g = 0; g < G; g++) {
@@ -1672,10 +1677,11 @@ static void attend_span_bf16(const uint16_t *qh, const uint16_t *ql, const xq_kv
 #endif
 
 // Every KV head of one sequence over its positions t0 .. t1 - 1, a span at a time. o[h], mx[h],
-// sum[h]: where KV head h's G query heads keep their state.
+// sum[h]: where KV head h's G query heads keep their state. ntab (or NULL), nt0 .. nt1: what the
+// thread reads next, whose first span the last one fetches toward L2.
 static void attend_range(const float *q, const xq_kv *kc, const xq_kv *vc, const int32_t *tab, int t0, int t1,
                          int G, int Hkv, int D, int bs, float scale, float softcap, float *const *o,
-                         float *const *mx, float *const *sum) {
+                         float *const *mx, float *const *sum, const int32_t *ntab, int nt0, int nt1) {
     for (int h = 0; h < Hkv; h++) {
         for (int g = 0; g < G; g++) mx[h][g] = -INFINITY, sum[h][g] = 0.f;
         memset(o[h], 0, sizeof(float) * (size_t)G * D);
@@ -1695,7 +1701,12 @@ static void attend_range(const float *q, const xq_kv *kc, const xq_kv *vc, const
         }
 #if defined(__AVX512BF16__)
         if (on_dp) {
-            attend_span_bf16(qh, ql, kc, vc, tab, c0, n, G, Hkv, D, bs, scale, softcap, o, mx, sum);
+            size_t an[SPAN];
+            const int32_t *t = c0 + SPAN < t1 ? tab : ntab;
+            const int a0 = c0 + SPAN < t1 ? c0 + SPAN : nt0, a1 = c0 + SPAN < t1 ? t1 : nt1;
+            const int nn = t && !kc->warm ? (a1 - a0 < SPAN ? a1 - a0 : SPAN) : 0;
+            if (nn > 0) bf16_span_rows(t, a0, nn, bs, Hkv, D, an);
+            attend_span_bf16(qh, ql, kc, vc, tab, c0, n, G, Hkv, D, bs, scale, softcap, o, mx, sum, an, nn > 0 ? nn : 0);
             continue;
         }
 #endif
@@ -1714,13 +1725,21 @@ static int attn_splits(int B, int max_len) {
 }
 
 // Sequence b's position range s of S (attend_team).
-static void attend_item(const float *q, int64_t q_stride, const xq_kv *kc, const xq_kv *vc, const int32_t *tables,
-                        int table_stride, const int32_t *lens, float *out, int Hq, int Hkv, int D, int bs,
-                        float scale, int window, float softcap, int S, float *part, int b, int s) {
-    const int G = Hq / Hkv, L = lens[b];
+static void item_range(const int32_t *lens, int window, int S, int it, int *t0, int *t1) {
+    const int L = lens[it / S], s = it % S;
     const int start = (window > 0 && L > window) ? L - window : 0;
     const int per = ((L - start + S - 1) / S + VW - 1) / VW * VW;  // whole chunks but the last
-    const int t0 = start + s * per < L ? start + s * per : L, t1 = t0 + per < L ? t0 + per : L;
+    *t0 = start + s * per < L ? start + s * per : L, *t1 = *t0 + per < L ? *t0 + per : L;
+}
+
+// Item `it` (sequence it / S, range it % S); `next` the one its thread takes after it (or -1).
+static void attend_item(const float *q, int64_t q_stride, const xq_kv *kc, const xq_kv *vc, const int32_t *tables,
+                        int table_stride, const int32_t *lens, float *out, int Hq, int Hkv, int D, int bs,
+                        float scale, int window, float softcap, int S, float *part, int it, int next) {
+    const int G = Hq / Hkv, b = it / S, s = it % S;
+    int t0, t1, n0 = 0, n1 = 0;
+    item_range(lens, window, S, it, &t0, &t1);
+    if (next >= 0) item_range(lens, window, S, next, &n0, &n1);
     float mxs[Hq], sums[Hq], *o[Hkv], *mx[Hkv], *sum[Hkv];
     for (int h = 0; h < Hkv; h++) {
         if (S == 1) {
@@ -1731,7 +1750,7 @@ static void attend_item(const float *q, int64_t q_stride, const xq_kv *kc, const
         }
     }
     attend_range(q + (size_t)b * q_stride, kc, vc, tables + (size_t)b * table_stride, t0, t1, G, Hkv, D, bs,
-                 scale, softcap, o, mx, sum);
+                 scale, softcap, o, mx, sum, next >= 0 ? tables + (size_t)(next / S) * table_stride : NULL, n0, n1);
     if (S == 1) {
         for (int j = 0; j < Hq; j++) {
             const vf inv = v_set1(sums[j] > 0.f ? 1.f / sums[j] : 0.f);
@@ -1747,16 +1766,23 @@ static void attend_item(const float *q, int64_t q_stride, const xq_kv *kc, const
 // unnormalized output, max and sum (B * Hkv * S * G * (D + 2) floats), merged afterwards.
 static void attend_team(const float *q, int64_t q_stride, const xq_kv *kc, const xq_kv *vc, const int32_t *tables,
                         int table_stride, const int32_t *lens, float *out, int B, int Hq, int Hkv, int D, int bs,
-                        float scale, int window, float softcap, int S, float *part) {
+                        float scale, int window, float softcap, int S, float *part, int *counter) {
     const int G = Hq / Hkv;
-#define ATTEND_ITEM attend_item(q, q_stride, kc, vc, tables, table_stride, lens, out, Hq, Hkv, D, bs, scale, window, \
-                                softcap, S, part, it / S, it % S)
+#define ATTEND_ITEM(next) attend_item(q, q_stride, kc, vc, tables, table_stride, lens, out, Hq, Hkv, D, bs, scale, \
+                                      window, softcap, S, part, it, next)
     if (B == 1) {  // in order: each thread reads the ranges whose lines it prefetched (kv_pf)
 #pragma omp for schedule(static)
-        for (int it = 0; it < S; it++) ATTEND_ITEM;
-    } else {
-#pragma omp for schedule(dynamic, 1)
-        for (int it = 0; it < B * S; it++) ATTEND_ITEM;
+        for (int it = 0; it < S; it++) ATTEND_ITEM(-1);
+    } else {  // dynamic, one item at a time; each thread takes its next item before it starts this one
+#pragma omp single
+        *counter = 0;
+        int it = __atomic_fetch_add(counter, 1, __ATOMIC_RELAXED);
+        while (it < B * S) {
+            const int next = __atomic_fetch_add(counter, 1, __ATOMIC_RELAXED);
+            ATTEND_ITEM(next < B * S ? next : -1);
+            it = next;
+        }
+#pragma omp barrier
     }
 #undef ATTEND_ITEM
     if (S == 1) return;
@@ -1798,9 +1824,10 @@ void xinfer_paged_decode(const float *q, int64_t q_ld, void *kc, void *vc, float
     const xq_kv v = {vc, v_scale, kind, bits, levels, NULL, NULL, NULL};
     const int S = attn_splits(B, max_len(lens, B));
     float *part = S > 1 ? malloc(sizeof(float) * (size_t)B * Hq * S * (D + 2)) : NULL;
+    int counter;  // attend_team's, shared by the team
 #pragma omp parallel
     attend_team(q, q_ld, &k, &v, tables, table_stride, lens, out, B, Hq, Hkv, D, bs, scale, window,
-                softcap, S, part);
+                softcap, S, part, &counter);
     free(part);
 }
 
@@ -2321,6 +2348,7 @@ void xinfer_decode(const xq_model *m, const float *x, float *out, int B, const i
     float *act = malloc(sizeof(float) * (size_t)B * I);
     const int S = attn_splits(B, max_len(lens, B));  // decode attention's position ranges
     float *part = S > 1 ? malloc(sizeof(float) * (size_t)B * Hq * S * (D + 2)) : NULL;
+    int counter;  // attend_team's, shared by the team
     memcpy(y, x, sizeof(float) * (size_t)B * H);
 #pragma omp parallel
     {
@@ -2352,7 +2380,7 @@ void xinfer_decode(const xq_model *m, const float *x, float *out, int B, const i
                 if (L->kv_kind == KV_TURBO) rotate_heads(L->rotation, qb, Hq, D, 0);  // into the cache's frame
             }
             attend_team(qkv, QKV, &kc, &vc, tables, table_stride, lens, att, B, Hq, Hkv, D, m->bs, L->scale,
-                        L->window, L->softcap, S, part);
+                        L->window, L->softcap, S, part, &counter);
             if (L->kv_kind == KV_TURBO) {
 #pragma omp for schedule(static)
                 for (int b = 0; b < B; b++) rotate_heads(L->rotation, att + (size_t)b * Hq * D, Hq, D, 1);  // and back
