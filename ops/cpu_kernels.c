@@ -1695,18 +1695,25 @@ static void attend_range(const float *q, const xq_kv *kc, const xq_kv *vc, const
 #endif
     for (int c0 = t0; c0 < t1; c0 += SPAN) {
         const int n = t1 - c0 < SPAN ? t1 - c0 : SPAN;
+        // the span read next (this range's or the next one's): fetched toward L2 while this one computes
+        const int32_t *nx = c0 + SPAN < t1 ? tab : ntab;
+        const int a0 = c0 + SPAN < t1 ? c0 + SPAN : nt0, a1 = c0 + SPAN < t1 ? t1 : nt1;
+        const int nn = nx && !kc->warm && a1 > a0 ? (a1 - a0 < SPAN ? a1 - a0 : SPAN) : 0;
         if (!kc->warm && !on_dp) {
-            prefetch_span(kc, tab, c0, n, bs, Hkv * D);
-            prefetch_span(vc, tab, c0, n, bs, Hkv * D);
+            if (c0 == t0) {  // no span before the first fetched it
+                prefetch_span(kc, tab, c0, n, bs, Hkv * D);
+                prefetch_span(vc, tab, c0, n, bs, Hkv * D);
+            }
+            if (nn) {
+                prefetch_span(kc, nx, a0, nn, bs, Hkv * D);
+                prefetch_span(vc, nx, a0, nn, bs, Hkv * D);
+            }
         }
 #if defined(__AVX512BF16__)
         if (on_dp) {
             size_t an[SPAN];
-            const int32_t *t = c0 + SPAN < t1 ? tab : ntab;
-            const int a0 = c0 + SPAN < t1 ? c0 + SPAN : nt0, a1 = c0 + SPAN < t1 ? t1 : nt1;
-            const int nn = t && !kc->warm ? (a1 - a0 < SPAN ? a1 - a0 : SPAN) : 0;
-            if (nn > 0) bf16_span_rows(t, a0, nn, bs, Hkv, D, an);
-            attend_span_bf16(qh, ql, kc, vc, tab, c0, n, G, Hkv, D, bs, scale, softcap, o, mx, sum, an, nn > 0 ? nn : 0);
+            if (nn) bf16_span_rows(nx, a0, nn, bs, Hkv, D, an);
+            attend_span_bf16(qh, ql, kc, vc, tab, c0, n, G, Hkv, D, bs, scale, softcap, o, mx, sum, an, nn);
             continue;
         }
 #endif
