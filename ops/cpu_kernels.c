@@ -1780,10 +1780,12 @@ static void attend_team(const float *q, int64_t q_stride, const xq_kv *kc, const
     if (B == 1) {  // in order: each thread reads the ranges whose lines it prefetched (kv_pf)
 #pragma omp for schedule(static)
         for (int it = 0; it < S; it++) ATTEND_ITEM(-1);
-    } else {  // dynamic, one item at a time; each thread takes its next item before it starts this one
+    } else {  // thread t starts with item t (whose lines kv_pf fetched), then one item at a time, each
+              // taken before the thread starts the one before it
+        const int T = omp_get_num_threads();
 #pragma omp single
-        *counter = 0;
-        int it = __atomic_fetch_add(counter, 1, __ATOMIC_RELAXED);
+        *counter = T;
+        int it = omp_get_thread_num();
         while (it < B * S) {
             const int next = __atomic_fetch_add(counter, 1, __ATOMIC_RELAXED);
             ATTEND_ITEM(next < B * S ? next : -1);
@@ -2297,7 +2299,8 @@ typedef struct {
 // The next layer's K and V rows, fetched toward L2 during this layer's gate/up matmul (compute-
 // bound for a few sequences): a few sequences' attention otherwise waits on memory at every chunk,
 // their cache having left L3 while the weights streamed through. Each thread takes an even share
-// of the lines (K then V of each block, sequence after sequence), PF_MAX_BYTES in all at most.
+// of the lines (K then V of each block, sequence after sequence), PF_MAX_BYTES in all at most; past
+// that, with one range a sequence, the first span of the sequence the thread attends first.
 #define PF_MAX_BYTES (1u << 20)
 struct kv_pf {
     const char *k, *v;
@@ -2313,10 +2316,18 @@ static void pf_init(kv_pf *p, const xq_layer *L, const int32_t *tables, int stri
     if (!el) return;  // turbo rows are packed differently: not fetched
     p->k = L->k_cache, p->v = L->v_cache, p->tables = tables, p->lens = lens, p->stride = stride, p->bs = bs;
     p->block_bytes = (size_t)bs * Hkv * D * el, p->lpb = (p->block_bytes + 63) / 64;
+    const int T = omp_get_num_threads(), t = omp_get_thread_num();
     size_t total = 0;
     for (int b = 0; b < B; b++) total += (size_t)(lens[b] + bs - 1) / bs * 2 * p->lpb;
+    if (total > PF_MAX_BYTES / 64 && B >= 2 * T) {
+        // not all: with one range a sequence, thread t's first is sequence t (attend_team), and each
+        // span fetches the next; so its first span (window or not: the lines are only a guess)
+        const int blocks = t < B ? ((lens[t] < SPAN ? lens[t] : SPAN) + bs - 1) / bs : 0;
+        p->b = t, p->j = 0, p->line = 0, p->left = (size_t)blocks * 2 * p->lpb;
+        p->per = (p->left + iters - 1) / (iters > 0 ? iters : 1);
+        return;
+    }
     if (total > PF_MAX_BYTES / 64) total = PF_MAX_BYTES / 64;
-    const int T = omp_get_num_threads(), t = omp_get_thread_num();
     size_t skip = total * t / T;
     p->left = total * (t + 1) / T - skip, p->per = (p->left + iters - 1) / (iters > 0 ? iters : 1);
     for (p->b = 0; p->b < B; p->b++) {  // find this thread's first line
