@@ -176,10 +176,10 @@ static inline __attribute__((always_inline)) void q8_rows_bf16(const int8_t *qs,
 // per 32-weight block, per pair of inputs (k, k + 1), the 32 weights of one dot-product
 // instruction: lanes 0-15 are columns 0-7 (k and k + 1 side by side), lanes 16-31 columns 8-15.
 // q4 (kind 0): 32 bytes for two pairs, lane j in byte j's low nibble for the even pair and in its
-// high nibble for the odd one; q8 (1): 32 signed bytes a pair. d and m per (panel, block) as 16 floats (m 0 for q8 without offsets). Integer
-// conversions, two FMAs and one rounding make the bfloat16 weights (the same values as the
-// q4_block_bf16 / q8_block ones), which every row then uses: one weight stream a thread, read once
-// a call, and no horizontal sums.
+// high nibble for the odd one; q8 (1): 32 signed bytes a pair. d and m per (panel, block) as 16
+// floats (m 0 for q8 without offsets). Integer conversions, two FMAs and one rounding make the
+// bfloat16 weights (the same values as the q4_block_bf16 / q8_block ones), which every row then
+// uses: one weight stream a thread, read once a call, and no horizontal sums.
 // Panel p of block b's 32 bfloat16 weights (d0 / m0: columns 0-7's scales and offsets, each twice;
 // d1 / m1: columns 8-15's).
 static inline __attribute__((always_inline)) __m512bh panel_weights(const uint8_t *q, int kind, int b, int p,
