@@ -177,32 +177,23 @@ static inline __attribute__((always_inline)) void q8_rows_bf16(const int8_t *qs,
 // instruction: lanes 0-15 are columns 0-7 (k and k + 1 side by side), lanes 16-31 columns 8-15.
 // q4 (kind 0): 32 bytes for two pairs, lane j in byte j's low nibble for the even pair and in its
 // high nibble for the odd one; q8 (1): 32 signed bytes a pair. d and m per (panel, block) as 16
-// floats (m 0 for q8 without offsets). Integer conversions, two FMAs and one rounding make the
-// bfloat16 weights (the same values as the q4_block_bf16 / q8_block ones), which every row then
-// uses: one weight stream a thread, read once a call, and no horizontal sums.
-// Panel p of block b's 32 bfloat16 weights (d0 / m0: columns 0-7's scales and offsets, each twice;
-// d1 / m1: columns 8-15's).
-static inline __attribute__((always_inline)) __m512bh panel_weights(const uint8_t *q, int kind, int b, int p,
-                                                                    __m512 d0, __m512 d1, __m512 m0, __m512 m1) {
-    __m512i i0, i1;
-    if (kind == 0) {
-        const uint8_t *w8 = q + ((size_t)b * 8 + p / 2) * 32;
-        const __m512i low = _mm512_set1_epi32(0x0F);
-        i0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)w8));
-        i1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w8 + 16)));
-        if (p & 1) i0 = _mm512_srli_epi32(i0, 4), i1 = _mm512_srli_epi32(i1, 4);
-        i0 = _mm512_and_si512(i0, low), i1 = _mm512_and_si512(i1, low);
-    } else {
-        const int8_t *w8 = (const int8_t *)q + ((size_t)b * 16 + p) * 32;
-        i0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w8));
-        i1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w8 + 16)));
-    }
+// floats (m 0 for q8 without offsets). q4 panels are read as exact integers (panel_dot_q4x). For
+// q8, integer conversions, two FMAs and one rounding make the bfloat16 weights (the same values as
+// the q8_block ones), which every row then uses: one weight stream a thread, read once a call, and
+// no horizontal sums.
+// Panel p of block b's 32 bfloat16 weights, q8 (d0 / m0: columns 0-7's scales and offsets, each
+// twice; d1 / m1: columns 8-15's).
+static inline __attribute__((always_inline)) __m512bh panel_weights(const uint8_t *q, int b, int p, __m512 d0,
+                                                                    __m512 d1, __m512 m0, __m512 m1) {
+    const int8_t *w8 = (const int8_t *)q + ((size_t)b * 16 + p) * 32;
+    const __m512i i0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w8));
+    const __m512i i1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w8 + 16)));
     const __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), d0, m0);
     const __m512 c = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), d1, m1);
     return _mm512_cvtne2ps_pbh(c, a);
 }
 
-// Calls panel_weights for every (block, pair) of a panel (q and kind: the caller's): BODY sees b, p and w.
+// Calls panel_weights for every (block, pair) of a panel (q: the caller's): BODY sees b, p and w.
 #define PANEL_FOR_EACH(dn, mn, nb, BODY)                                                                   \
     do {                                                                                                   \
         const __m512i dup0 = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);            \
@@ -212,7 +203,7 @@ static inline __attribute__((always_inline)) __m512bh panel_weights(const uint8_
             const __m512 d0 = _mm512_permutexvar_ps(dup0, d), d1 = _mm512_permutexvar_ps(dup1, d);         \
             const __m512 m0 = _mm512_permutexvar_ps(dup0, m), m1 = _mm512_permutexvar_ps(dup1, m);         \
             for (int p = 0; p < 16; p++) {                                                                 \
-                const __m512bh w = panel_weights(q, kind, b, p, d0, d1, m0, m1);                           \
+                const __m512bh w = panel_weights(q, b, p, d0, d1, m0, m1);                                 \
                 BODY;                                                                                      \
             }                                                                                              \
         }                                                                                                  \
@@ -270,10 +261,10 @@ static inline __attribute__((always_inline)) void panel_store(const __m512 *acc,
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + (size_t)r * ldy, _mm512_add_ps(acc[r], bv));
 }
 
-// One pass of `rows` rows against a panel, its weights rebuilt as they are read (the layout above).
+// One pass of `rows` rows against a q8 panel, its weights rebuilt as they are read (the layout above).
 static inline __attribute__((always_inline)) void panel_dot(const uint8_t *q, const float *dn, const float *mn,
                                                            const uint32_t *xt, int ld, float *y, int K, int ldy,
-                                                           const float *bias, int kind, int rows) {
+                                                           const float *bias, int rows) {
     __m512 acc[PANEL_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     PANEL_FOR_EACH(dn, mn, K / 32, PANEL_DOTS(acc, w, xt, ld, b * 16 + p, rows));
@@ -309,9 +300,9 @@ static inline __attribute__((always_inline)) void panel_dot_q4x(const uint8_t *q
     panel_store(tot, y, ldy, bias, rows);
 }
 
-// A panel's bfloat16 weights written out once (K / 2 vectors) for batches of several passes: each
+// A q8 panel's bfloat16 weights written out once (K / 2 vectors) for batches of several passes: each
 // pass then reads them back instead of rebuilding them.
-static void panel_unpack(const uint8_t *q, const float *dn, const float *mn, int K, int kind, __m512bh *wb) {
+static void panel_unpack(const uint8_t *q, const float *dn, const float *mn, int K, __m512bh *wb) {
     PANEL_FOR_EACH(dn, mn, K / 32, wb[b * 16 + p] = w);
 }
 
@@ -347,7 +338,7 @@ static inline __attribute__((always_inline)) void panel_dot_bf16(const __m512bh 
 // q8 panels in one pass (q4 ones take panel_rows_q4x)
 NO_MEMSET static void panel_rows_q8(const uint8_t *q, const float *dn, const float *mn, const uint32_t *xb, int ld,
                                     float *y, int K, int ldy, const float *bias, int rows) {
-#define QP(R) panel_dot(q, dn, mn, xb, ld, y, K, ldy, bias, 1, R)
+#define QP(R) panel_dot(q, dn, mn, xb, ld, y, K, ldy, bias, R)
     PANEL_CASES(QP);
 #undef QP
 }
@@ -809,28 +800,30 @@ static void mm_team(const xq_linear *w, const float *x, float *y, int M, kv_pf *
     // each thread rounds the rows itself (M * K values): no barrier, no shared buffer
     if (w->prec == PREC_BF16 && w->pq) {
         const int nb = w->K / 32;
-        // several passes: a panel's weights are rebuilt once, into wb, and read back by every pass
-        __m512bh *wb = M > PANEL_ROWS ? aligned_alloc(64, sizeof(__m512bh) * (size_t)w->K / 2) : NULL;
+        // q4: the nibbles as exact integers, rebuilt every pass (panel_dot_q4x), so a row's sums are
+        // the same in every batch these kernels take; q8 with several passes: a panel's weights are
+        // rebuilt once, into wb, and read back by every pass
+        const int np = (M + PANEL_ROWS - 1) / PANEL_ROWS;
+        __m512bh *wb = M > PANEL_ROWS && w->kind ? aligned_alloc(64, sizeof(__m512bh) * (size_t)w->K / 2) : NULL;
+        float *sx = w->kind == 0 ? aligned_alloc(64, sizeof(float) * np * nb * PANEL_ROWS) : NULL;
         int ld;
-        // one pass of q4: the nibbles as exact integers (panel_dot_q4x)
-        float *sx = w->kind == 0 && !wb ? aligned_alloc(64, sizeof(float) * nb * PANEL_ROWS) : NULL;
         uint32_t *xt = panel_acts(x, M, w->K, &ld, sx);
 #pragma omp for schedule(static)
         for (int g = 0; g < w->N / 16; g++) {
             const uint8_t *q = w->pq + (size_t)g * (w->kind ? 16 : 8) * w->K;
             const float *dn = w->pd + (size_t)g * nb * 16, *mn = w->pm + (size_t)g * nb * 16;
             const float *bias = w->bias ? w->bias + g * 16 : NULL;
-            if (wb && g + 1 < w->N / 16) {  // the next panel's bytes and scales, while this one's passes compute
+            if (M > PANEL_ROWS && g + 1 < w->N / 16) {  // the next panel's bytes and scales, while this one's passes compute
                 const size_t qb = (size_t)(w->kind ? 16 : 8) * w->K, sb = sizeof(float) * (size_t)nb * 16;
                 prefetch_l2(q + qb, qb), prefetch_l2(dn + nb * 16, sb), prefetch_l2(mn + nb * 16, sb);
             }
-            if (wb) panel_unpack(q, dn, mn, w->K, w->kind, wb);
+            if (wb) panel_unpack(q, dn, mn, w->K, wb);
             for (int m0 = 0; m0 < M; m0 += PANEL_ROWS) {
                 const int rows = M - m0 < PANEL_ROWS ? M - m0 : PANEL_ROWS;
                 float *yg = y + (size_t)m0 * w->N + g * 16;
                 const uint32_t *xp = xt + (size_t)m0 / PANEL_ROWS * ld * w->K / 2;
                 if (wb) panel_rows_bf16(wb, xp, ld, yg, w->K, w->N, bias, rows);
-                else if (sx) panel_rows_q4x(q, dn, mn, xp, ld, sx, yg, w->K, w->N, bias, rows);
+                else if (sx) panel_rows_q4x(q, dn, mn, xp, ld, sx + (size_t)m0 / PANEL_ROWS * nb * ld, yg, w->K, w->N, bias, rows);
                 else panel_rows_q8(q, dn, mn, xp, ld, yg, w->K, w->N, bias, rows);
             }
             if (pf)
@@ -1655,6 +1648,8 @@ static void attend_span_bf16(const uint16_t *qh, const uint16_t *ql, const xq_kv
                 v_store(sc[h * G + g] + c * VW, v_mul(s, sv));
             }
     }
+    if (!kc->warm)  // a short span: the rest of the next one
+        for (int c = nc; c * VW < nn; c++) prefetch_rows(kb, an + c * VW, row, 1), prefetch_rows(vb, an + c * VW, row, 1);
     span_softmax(&sc[0][0], n, Hkv, G, D, softcap, o, mx, sum);
     for (int r = 0; r < Hkv * G; r++) split_bf16(sc[r], ph[r], pl[r], nc * VW);
     for (int c = 0; c < nc; c++) {
@@ -1780,8 +1775,8 @@ static void attend_team(const float *q, int64_t q_stride, const xq_kv *kc, const
     if (B == 1) {  // in order: each thread reads the ranges whose lines it prefetched (kv_pf)
 #pragma omp for schedule(static)
         for (int it = 0; it < S; it++) ATTEND_ITEM(-1);
-    } else {  // thread t starts with item t (whose lines kv_pf fetched), then one item at a time, each
-              // taken before the thread starts the one before it
+    } else {  // thread t starts with item t (past 1 MB of K/V, kv_pf fetched its first span), then one
+              // item at a time, each taken before the thread starts the one before it
         const int T = omp_get_num_threads();
 #pragma omp single
         *counter = T;

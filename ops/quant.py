@@ -83,9 +83,10 @@ class QuantWeight:
 
     def use(self, matmul: str) -> None:
         """--cpu-matmul: float32 (exact weights, float32 sums), bfloat16 (rounded, where the CPU has
-        the dot products) or int16 (activations quantized per 32 values to 16 bits). In bfloat16, q4 weights and
-        q8 ones with one scale a block also get their panels, which every batch up to `max_rows` reads
-        (one row too: one stream a thread, measured faster in bench/NOTES-cpu.md)."""
+        the dot products; q4 weights in panels stay exact) or int16 (activations quantized per 32
+        values to 16 bits). In bfloat16, q4 weights and q8 ones with one scale a block also get their
+        panels, which every batch up to `max_rows` reads (one row too: one stream a thread, measured
+        faster in bench/NOTES-cpu.md)."""
         self.prec = PREC[matmul]
         self.wide = None
         n, k = self.shape
