@@ -230,10 +230,15 @@ def test_bundled_model_copy_and_self_draft(smollm_path):
                     "build test in test_cpu_kernels.py reruns this where the CPU has them)")
 def test_bf16_path_stays_lossless(smollm_path):
     """The fast path (bfloat16 dot products in the block kernels): a sequence's rows give the same
-    numbers alone or with its drafts beside them, so greedy output is the same with n-gram drafts."""
+    numbers alone or with its drafts beside them, so greedy output is the same with n-gram drafts;
+    also for three sequences with up to 7 drafts each (verify batches past 16 rows)."""
     text = "Repeat after me: one two three four five six seven eight nine ten, one two three four five"
     params = SamplingParams(temperature=0, max_tokens=32)
     base = Engine(EngineConfig(cpu_matmul="bfloat16"))
     fast = Engine(EngineConfig(cpu_matmul="bfloat16", num_speculative_tokens=4))
     assert fast.generate([text], params)[0].token_ids == base.generate([text], params)[0].token_ids
     assert fast.scheduler.num_accepted_tokens > 0
+    texts = [text, text.replace("one", "uno"), "Count: a b c d e f g h, a b c d e f g h, a b c d"]
+    wide = Engine(EngineConfig(cpu_matmul="bfloat16", num_speculative_tokens=7))
+    assert ([o.token_ids for o in wide.generate(texts, params)] == [o.token_ids for o in base.generate(texts, params)])
+    assert wide.scheduler.num_accepted_tokens > 0
