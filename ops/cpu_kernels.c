@@ -750,8 +750,12 @@ static inline void prefetch_l2(const void *p, size_t bytes) {
     for (size_t i = 0; i < bytes; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T1);
 }
 
-// y [M, N] = x [M, K] w^T (+ bias), run by every thread of the enclosing parallel region.
-static void mm_team(const xq_linear *w, const float *x, float *y, int M, kv_pf *pf) {
+static void silu_mul(const float *g, const float *u, float *out, int n);
+
+// y [M, N] = x [M, K] w^T (+ bias), run by every thread of the enclosing parallel region. act: where
+// the bfloat16 panels may also write silu(y[:, :N/2]) * y[:, N/2:] (N/2 a multiple of 16); returns
+// whether they did.
+static int mm_team(const xq_linear *w, const float *x, float *y, int M, kv_pf *pf, float *act) {
     // Weight-stationary: each thread takes its share of the output rows n and runs every activation
     // row through each in passes of mr rows, so a weight row comes from memory once a call (the
     // later passes find it in L1) however many rows the batch has. Each row's sums are the same
@@ -759,7 +763,7 @@ static void mm_team(const xq_linear *w, const float *x, float *y, int M, kv_pf *
     const int i16 = w->prec == PREC_INT16 && M <= INT16_ROWS;
     if (w->prec == PREC_INT16 && w->pi && !i16) {
         mm_i16p(w->pi, w->pd, w->pm, w->bias, w->N, w->K, x, y, M, pf);
-        return;
+        return 0;
     }
 #if !HAS_BF16
     if (w->pq && !i16) {  // 8-column panels (the AVX2 build's float32 path)
@@ -773,7 +777,7 @@ static void mm_team(const xq_linear *w, const float *x, float *y, int M, kv_pf *
             if (pf)
                 for (int i = 0; i < 8; i++) pf_step(pf);  // as often as the row loop below would
         }
-        return;
+        return 0;
     }
 #endif
     if (i16) {
@@ -794,43 +798,53 @@ static void mm_team(const xq_linear *w, const float *x, float *y, int M, kv_pf *
         }
 #undef I16
         free(a.q), free(a.d);
-        return;
+        return 0;
     }
 #if HAS_BF16
     // each thread rounds the rows itself (M * K values): no barrier, no shared buffer
     if (w->prec == PREC_BF16 && w->pq) {
-        const int nb = w->K / 32;
+        const int nb = w->K / 32, np = (M + PANEL_ROWS - 1) / PANEL_ROWS;
         // q4: the nibbles as exact integers, rebuilt every pass (panel_dot_q4x), so a row's sums are
         // the same in every batch these kernels take; q8 with several passes: a panel's weights are
         // rebuilt once, into wb, and read back by every pass
-        const int np = (M + PANEL_ROWS - 1) / PANEL_ROWS;
         __m512bh *wb = M > PANEL_ROWS && w->kind ? aligned_alloc(64, sizeof(__m512bh) * (size_t)w->K / 2) : NULL;
         float *sx = w->kind == 0 ? aligned_alloc(64, sizeof(float) * np * nb * PANEL_ROWS) : NULL;
         int ld;
         uint32_t *xt = panel_acts(x, M, w->K, &ld, sx);
+        // with act: gate panel t and up panel t + pairs in one turn, then their 16 columns of
+        // silu(gate) * up while they are in cache, by the thread that made them (no pass, no barrier)
+        const int pairs = act ? w->N / 32 : 0, turns = pairs ? pairs : w->N / 16;
 #pragma omp for schedule(static)
-        for (int g = 0; g < w->N / 16; g++) {
-            const uint8_t *q = w->pq + (size_t)g * (w->kind ? 16 : 8) * w->K;
-            const float *dn = w->pd + (size_t)g * nb * 16, *mn = w->pm + (size_t)g * nb * 16;
-            const float *bias = w->bias ? w->bias + g * 16 : NULL;
-            if (M > PANEL_ROWS && g + 1 < w->N / 16) {  // the next panel's bytes and scales, while this one's passes compute
-                const size_t qb = (size_t)(w->kind ? 16 : 8) * w->K, sb = sizeof(float) * (size_t)nb * 16;
-                prefetch_l2(q + qb, qb), prefetch_l2(dn + nb * 16, sb), prefetch_l2(mn + nb * 16, sb);
+        for (int t = 0; t < turns; t++) {
+            for (int h = 0; h < (pairs ? 2 : 1); h++) {
+                const int g = t + h * pairs, next = pairs ? (h ? t + 1 : t + pairs) : g + 1;
+                const uint8_t *q = w->pq + (size_t)g * (w->kind ? 16 : 8) * w->K;
+                const float *dn = w->pd + (size_t)g * nb * 16, *mn = w->pm + (size_t)g * nb * 16;
+                const float *bias = w->bias ? w->bias + g * 16 : NULL;
+                if (M > PANEL_ROWS && next < w->N / 16) {  // the next panel's bytes and scales, while this one's passes compute
+                    const size_t qb = (size_t)(w->kind ? 16 : 8) * w->K, sb = sizeof(float) * (size_t)nb * 16;
+                    prefetch_l2(w->pq + (size_t)next * qb, qb), prefetch_l2(w->pd + (size_t)next * nb * 16, sb),
+                        prefetch_l2(w->pm + (size_t)next * nb * 16, sb);
+                }
+                if (wb) panel_unpack(q, dn, mn, w->K, wb);
+                for (int m0 = 0; m0 < M; m0 += PANEL_ROWS) {
+                    const int rows = M - m0 < PANEL_ROWS ? M - m0 : PANEL_ROWS;
+                    float *yg = y + (size_t)m0 * w->N + g * 16;
+                    const uint32_t *xp = xt + (size_t)m0 / PANEL_ROWS * ld * w->K / 2;
+                    if (wb) panel_rows_bf16(wb, xp, ld, yg, w->K, w->N, bias, rows);
+                    else if (sx) panel_rows_q4x(q, dn, mn, xp, ld, sx + (size_t)m0 / PANEL_ROWS * nb * ld, yg, w->K, w->N, bias, rows);
+                    else panel_rows_q8(q, dn, mn, xp, ld, yg, w->K, w->N, bias, rows);
+                }
+                if (pf)
+                    for (int i = 0; i < 16; i++) pf_step(pf);  // as often as the row loop below would
             }
-            if (wb) panel_unpack(q, dn, mn, w->K, wb);
-            for (int m0 = 0; m0 < M; m0 += PANEL_ROWS) {
-                const int rows = M - m0 < PANEL_ROWS ? M - m0 : PANEL_ROWS;
-                float *yg = y + (size_t)m0 * w->N + g * 16;
-                const uint32_t *xp = xt + (size_t)m0 / PANEL_ROWS * ld * w->K / 2;
-                if (wb) panel_rows_bf16(wb, xp, ld, yg, w->K, w->N, bias, rows);
-                else if (sx) panel_rows_q4x(q, dn, mn, xp, ld, sx + (size_t)m0 / PANEL_ROWS * nb * ld, yg, w->K, w->N, bias, rows);
-                else panel_rows_q8(q, dn, mn, xp, ld, yg, w->K, w->N, bias, rows);
+            for (int b = 0; pairs && b < M; b++) {
+                const float *gb = y + (size_t)b * w->N + t * 16;
+                silu_mul(gb, gb + w->N / 2, act + (size_t)b * (w->N / 2) + t * 16, 16);
             }
-            if (pf)
-                for (int i = 0; i < 16; i++) pf_step(pf);  // as often as the row loop below would
         }
         free(wb), free(xt), free(sx);
-        return;
+        return pairs > 0;
     }
     uint16_t *xb = w->prec == PREC_BF16 ? malloc(sizeof(uint16_t) * (size_t)M * w->K) : NULL;
     if (xb) to_bf16(x, xb, M * w->K);
@@ -860,6 +874,7 @@ static void mm_team(const xq_linear *w, const float *x, float *y, int M, kv_pf *
 #if HAS_BF16
     free(xb);
 #endif
+    return 0;
 }
 
 // x [M, K] and y [M, N] row-major float32, K a multiple of 32. pq, pd, pm: the panels, or NULL.
@@ -867,7 +882,7 @@ void xinfer_q4_mm(const uint8_t *qs, const float *d, const float *mn, const floa
                   int prec, const uint8_t *pq, const float *pd, const float *pm, const int16_t *pi) {
     const xq_linear w = {qs, d, mn, NULL, 0, N, K, 1, prec, pq, pd, pm, pi};
 #pragma omp parallel
-    mm_team(&w, x, y, M, NULL);
+    mm_team(&w, x, y, M, NULL, NULL);
 }
 
 // Weights [N, K] (N a multiple of 16) as panels (panel_dot): q4 (kind 0, nibbles as in q4_rows) or
@@ -899,7 +914,7 @@ void xinfer_q8_mm(const int8_t *qs, const float *d, const float *mn, int gs, con
                   int K, int prec, const uint8_t *pq, const float *pd, const float *pm, const int16_t *pi) {
     const xq_linear w = {qs, d, mn, NULL, 1, N, K, gs, prec, pq, pd, pm, pi};
 #pragma omp parallel
-    mm_team(&w, x, y, M, NULL);
+    mm_team(&w, x, y, M, NULL, NULL);
 }
 
 // A KV cache as attention reads it: [blocks, bs, Hkv, D] values of one kind (ops/kv_quant.py) and,
@@ -2378,7 +2393,7 @@ void xinfer_decode(const xq_model *m, const float *x, float *out, int B, const i
                                 m->eps, m->offset);
                 if (l == 0) memcpy(res + (size_t)b * H, y + (size_t)b * H, sizeof(float) * H);  // its residual is its input
             }
-            mm_team(&L->qkv, h, qkv, B, NULL);
+            mm_team(&L->qkv, h, qkv, B, NULL, NULL);
 #pragma omp for schedule(static)
             for (int b = 0; b < B; b++) {
                 float *qb = qkv + (size_t)b * QKV, *kb = qb + (size_t)Hq * D, *vb = kb + (size_t)Hkv * D;
@@ -2398,7 +2413,7 @@ void xinfer_decode(const xq_model *m, const float *x, float *out, int B, const i
 #pragma omp for schedule(static)
                 for (int b = 0; b < B; b++) rotate_heads(L->rotation, att + (size_t)b * Hq * D, Hq, D, 1);  // and back
             }
-            mm_team(&L->o, att, y, B, NULL);
+            mm_team(&L->o, att, y, B, NULL, NULL);
 #pragma omp for schedule(static)
             for (int b = 0; b < B; b++) {
                 if (L->attn_out_norm)
@@ -2410,14 +2425,15 @@ void xinfer_decode(const xq_model *m, const float *x, float *out, int B, const i
             if (l + 1 < m->n_layers)
                 pf_init(&pf, &m->layers[l + 1], tables, table_stride, lens, B, m->bs, Hkv, D,
                         (L->gate_up.N + omp_get_num_threads() - 1) / omp_get_num_threads());
-            mm_team(&L->gate_up, h, gu, B, l + 1 < m->n_layers ? &pf : NULL);
-            if (L->act) {
+            const int fused = mm_team(&L->gate_up, h, gu, B, l + 1 < m->n_layers ? &pf : NULL,
+                                      L->act || I % 16 ? NULL : act);  // silu(gate) * up made with them
+            if (!fused && L->act) {
 #pragma omp for schedule(static)
                 for (int j = 0; j < B * I; j++) {
                     const float g = gu[(size_t)(j / I) * 2 * I + j % I], u = gu[(size_t)(j / I) * 2 * I + I + j % I];
                     act[j] = 0.5f * g * (1.f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * u;
                 }
-            } else {
+            } else if (!fused) {
                 const int CH = 128, nc = (I + CH - 1) / CH;  // chunks: both threads share even one row
 #pragma omp for schedule(static)
                 for (int t = 0; t < B * nc; t++) {
@@ -2426,7 +2442,7 @@ void xinfer_decode(const xq_model *m, const float *x, float *out, int B, const i
                     silu_mul(g, g + I, act + (size_t)b * I + i, I - i < CH ? I - i : CH);
                 }
             }
-            mm_team(&L->down, act, y, B, NULL);
+            mm_team(&L->down, act, y, B, NULL, NULL);
             if (L->mlp_out_norm) {
 #pragma omp for schedule(static)
                 for (int b = 0; b < B; b++)
