@@ -811,33 +811,44 @@ static int mm_team(const xq_linear *w, const float *x, float *y, int M, kv_pf *p
         float *sx = w->kind == 0 ? aligned_alloc(64, sizeof(float) * np * nb * PANEL_ROWS) : NULL;
         int ld;
         uint32_t *xt = panel_acts(x, M, w->K, &ld, sx);
-        // with act: gate panel t and up panel t + pairs in one turn, then their 16 columns of
-        // silu(gate) * up while they are in cache, by the thread that made them (no pass, no barrier)
-        const int pairs = act ? w->N / 32 : 0, turns = pairs ? pairs : w->N / 16;
+        // A turn takes two panels: gate panel t and up panel t + pairs with act (then their 16
+        // columns of silu(gate) * up while they are in cache, by the thread that made them: no pass,
+        // no barrier), else panels 2t and 2t + 1. Its passes run pass by pass over both panels, so a
+        // pass's rounded rows stay in L1 for the second panel (the q4 bytes are the smaller reads).
+        const int np16 = w->N / 16, pairs = act ? w->N / 32 : 0, turns = pairs ? pairs : (np16 + 1) / 2;
 #pragma omp for schedule(static)
         for (int t = 0; t < turns; t++) {
-            for (int h = 0; h < (pairs ? 2 : 1); h++) {
-                const int g = t + h * pairs, next = pairs ? (h ? t + 1 : t + pairs) : g + 1;
-                const uint8_t *q = w->pq + (size_t)g * (w->kind ? 16 : 8) * w->K;
-                const float *dn = w->pd + (size_t)g * nb * 16, *mn = w->pm + (size_t)g * nb * 16;
-                const float *bias = w->bias ? w->bias + g * 16 : NULL;
-                if (M > PANEL_ROWS && next < w->N / 16) {  // the next panel's bytes and scales, while this one's passes compute
-                    const size_t qb = (size_t)(w->kind ? 16 : 8) * w->K, sb = sizeof(float) * (size_t)nb * 16;
-                    prefetch_l2(w->pq + (size_t)next * qb, qb), prefetch_l2(w->pd + (size_t)next * nb * 16, sb),
-                        prefetch_l2(w->pm + (size_t)next * nb * 16, sb);
+            const int gs[2] = {pairs ? t : 2 * t, pairs ? t + pairs : 2 * t + 1}, ng = gs[1] < np16 ? 2 : 1;
+            if (M > PANEL_ROWS && t + 1 < turns) {  // the next turn's bytes and scales, while this one computes
+                const size_t qb = (size_t)(w->kind ? 16 : 8) * w->K, sb = sizeof(float) * (size_t)nb * 16;
+                for (int i = 0; i < 2; i++) {
+                    const int g = pairs ? t + 1 + i * pairs : 2 * t + 2 + i;
+                    if (g < np16)
+                        prefetch_l2(w->pq + (size_t)g * qb, qb), prefetch_l2(w->pd + (size_t)g * nb * 16, sb),
+                            prefetch_l2(w->pm + (size_t)g * nb * 16, sb);
                 }
-                if (wb) panel_unpack(q, dn, mn, w->K, wb);
-                for (int m0 = 0; m0 < M; m0 += PANEL_ROWS) {
-                    const int rows = M - m0 < PANEL_ROWS ? M - m0 : PANEL_ROWS;
+            }
+            for (int i = 0; i < ng && wb; i++) {  // q8, several passes: a panel at a time, unpacked once
+                const int g = gs[i];
+                panel_unpack(w->pq + (size_t)g * 16 * w->K, w->pd + (size_t)g * nb * 16, w->pm + (size_t)g * nb * 16,
+                             w->K, wb);
+                for (int m0 = 0; m0 < M; m0 += PANEL_ROWS)
+                    panel_rows_bf16(wb, xt + (size_t)m0 / PANEL_ROWS * ld * w->K / 2, ld, y + (size_t)m0 * w->N + g * 16,
+                                    w->K, w->N, w->bias ? w->bias + g * 16 : NULL, M - m0 < PANEL_ROWS ? M - m0 : PANEL_ROWS);
+            }
+            for (int m0 = 0; m0 < M && !wb; m0 += PANEL_ROWS)
+                for (int i = 0; i < ng; i++) {
+                    const int g = gs[i], rows = M - m0 < PANEL_ROWS ? M - m0 : PANEL_ROWS;
+                    const uint8_t *q = w->pq + (size_t)g * (w->kind ? 16 : 8) * w->K;
+                    const float *dn = w->pd + (size_t)g * nb * 16, *mn = w->pm + (size_t)g * nb * 16;
+                    const float *bias = w->bias ? w->bias + g * 16 : NULL;
                     float *yg = y + (size_t)m0 * w->N + g * 16;
                     const uint32_t *xp = xt + (size_t)m0 / PANEL_ROWS * ld * w->K / 2;
-                    if (wb) panel_rows_bf16(wb, xp, ld, yg, w->K, w->N, bias, rows);
-                    else if (sx) panel_rows_q4x(q, dn, mn, xp, ld, sx + (size_t)m0 / PANEL_ROWS * nb * ld, yg, w->K, w->N, bias, rows);
+                    if (sx) panel_rows_q4x(q, dn, mn, xp, ld, sx + (size_t)m0 / PANEL_ROWS * nb * ld, yg, w->K, w->N, bias, rows);
                     else panel_rows_q8(q, dn, mn, xp, ld, yg, w->K, w->N, bias, rows);
                 }
-                if (pf)
-                    for (int i = 0; i < 16; i++) pf_step(pf);  // as often as the row loop below would
-            }
+            if (pf)
+                for (int i = 0; i < 16 * ng; i++) pf_step(pf);  // as often as the row loop below would
             for (int b = 0; pairs && b < M; b++) {
                 const float *gb = y + (size_t)b * w->N + t * 16;
                 silu_mul(gb, gb + w->N / 2, act + (size_t)b * (w->N / 2) + t * 16, 16);
