@@ -813,22 +813,24 @@ static int mm_team(const xq_linear *w, const float *x, float *y, int M, kv_pf *p
         uint32_t *xt = panel_acts(x, M, w->K, &ld, sx);
         // A turn takes two panels: gate panel t and up panel t + pairs with act (then their 16
         // columns of silu(gate) * up while they are in cache, by the thread that made them: no pass,
-        // no barrier), else panels 2t and 2t + 1. Its passes run pass by pass over both panels, so a
-        // pass's rounded rows stay in L1 for the second panel (the q4 bytes are the smaller reads).
-        const int np16 = w->N / 16, pairs = act ? w->N / 32 : 0, turns = pairs ? pairs : (np16 + 1) / 2;
+        // no barrier), else panels 2t and 2t + 1 (where that leaves an even count of turns, so two
+        // threads still split them evenly; else one panel a turn). Its passes run pass by pass over
+        // both panels, so a pass's rounded rows stay in L1 for the second panel (the q4 bytes are the
+        // smaller reads).
+        const int np16 = w->N / 16, pairs = act ? w->N / 32 : 0, per = pairs || np16 % 4 == 0 ? 2 : 1;
+        const int turns = pairs ? pairs : np16 / per;
 #pragma omp for schedule(static)
         for (int t = 0; t < turns; t++) {
-            const int gs[2] = {pairs ? t : 2 * t, pairs ? t + pairs : 2 * t + 1}, ng = gs[1] < np16 ? 2 : 1;
+            const int gs[2] = {pairs ? t : per * t, pairs ? t + pairs : per * t + 1};
             if (M > PANEL_ROWS && t + 1 < turns) {  // the next turn's bytes and scales, while this one computes
                 const size_t qb = (size_t)(w->kind ? 16 : 8) * w->K, sb = sizeof(float) * (size_t)nb * 16;
-                for (int i = 0; i < 2; i++) {
-                    const int g = pairs ? t + 1 + i * pairs : 2 * t + 2 + i;
-                    if (g < np16)
-                        prefetch_l2(w->pq + (size_t)g * qb, qb), prefetch_l2(w->pd + (size_t)g * nb * 16, sb),
-                            prefetch_l2(w->pm + (size_t)g * nb * 16, sb);
+                for (int i = 0; i < per; i++) {
+                    const int g = pairs ? t + 1 + i * pairs : per * (t + 1) + i;
+                    prefetch_l2(w->pq + (size_t)g * qb, qb), prefetch_l2(w->pd + (size_t)g * nb * 16, sb),
+                        prefetch_l2(w->pm + (size_t)g * nb * 16, sb);
                 }
             }
-            for (int i = 0; i < ng && wb; i++) {  // q8, several passes: a panel at a time, unpacked once
+            for (int i = 0; i < per && wb; i++) {  // q8, several passes: a panel at a time, unpacked once
                 const int g = gs[i];
                 panel_unpack(w->pq + (size_t)g * 16 * w->K, w->pd + (size_t)g * nb * 16, w->pm + (size_t)g * nb * 16,
                              w->K, wb);
@@ -837,7 +839,7 @@ static int mm_team(const xq_linear *w, const float *x, float *y, int M, kv_pf *p
                                     w->K, w->N, w->bias ? w->bias + g * 16 : NULL, M - m0 < PANEL_ROWS ? M - m0 : PANEL_ROWS);
             }
             for (int m0 = 0; m0 < M && !wb; m0 += PANEL_ROWS)
-                for (int i = 0; i < ng; i++) {
+                for (int i = 0; i < per; i++) {
                     const int g = gs[i], rows = M - m0 < PANEL_ROWS ? M - m0 : PANEL_ROWS;
                     const uint8_t *q = w->pq + (size_t)g * (w->kind ? 16 : 8) * w->K;
                     const float *dn = w->pd + (size_t)g * nb * 16, *mn = w->pm + (size_t)g * nb * 16;
@@ -848,7 +850,7 @@ static int mm_team(const xq_linear *w, const float *x, float *y, int M, kv_pf *p
                     else panel_rows_q8(q, dn, mn, xp, ld, yg, w->K, w->N, bias, rows);
                 }
             if (pf)
-                for (int i = 0; i < 16 * ng; i++) pf_step(pf);  // as often as the row loop below would
+                for (int i = 0; i < 16 * per; i++) pf_step(pf);  // as often as the row loop below would
             for (int b = 0; pairs && b < M; b++) {
                 const float *gb = y + (size_t)b * w->N + t * 16;
                 silu_mul(gb, gb + w->N / 2, act + (size_t)b * (w->N / 2) + t * 16, 16);
