@@ -650,9 +650,13 @@ void xinfer_panels_i16(const uint8_t *qs, int kind, int N, int K, int16_t *out) 
 // activations quantized once, shared (each thread a share of the blocks), then 16-column units.
 typedef struct kv_pf kv_pf;
 static void pf_step(kv_pf *p);
-static void mm_i16p(const int16_t *p, const float *pd, const float *pm, const float *bias, int N, int K,
-                    const float *x, float *y, int M, kv_pf *pf) {
-    const int nb = K / 32, units = (N / 8 + 1) / 2;
+static void silu_mul(const float *g, const float *u, float *out, int n);
+
+// act: as mm_team's (silu(gate) * up written by the thread that made each 16 columns of both); returns
+// whether it was.
+static int mm_i16p(const int16_t *p, const float *pd, const float *pm, const float *bias, int N, int K,
+                   const float *x, float *y, int M, kv_pf *pf, float *act) {
+    const int nb = K / 32, units = (N / 8 + 1) / 2, pairs = act ? N / 32 : 0;
     // Up to I16P_OWN_ROWS rows each thread quantizes them all itself (no barrier: a thread that waits
     // at one spins while the server's other processes hold its core); past that they share the work.
     // The buffers are kept across calls (a prefill's few MB, mapped afresh, page-faulted every call).
@@ -683,17 +687,24 @@ static void mm_i16p(const int16_t *p, const float *pd, const float *pm, const fl
     for (int t0 = 0; t0 < M; t0 += tile) {
         const int t1 = t0 + tile < M ? t0 + tile : M;
 #pragma omp for schedule(static) nowait
-        for (int u = 0; u < units; u++) {
-            const int g = 2 * u, G = g + 1 < N / 8 ? 2 : 1;
-            for (int m0 = t0; m0 < t1; m0 += I16P_ROWS)
-                I16P[(t1 - m0 < I16P_ROWS ? t1 - m0 : I16P_ROWS) - 1][G - 1](
-                    p + (size_t)g * nb * 256, pd + (size_t)g * nb * 8, pm + (size_t)g * nb * 8, &a, m0,
-                    y + (size_t)m0 * N + g * 8, K, N, bias ? bias + g * 8 : NULL);
-            if (pf)
-                for (int i = 0; i < 8 * G; i++) pf_step(pf);  // as often as the row loop of mm_team would
+        for (int u = 0; u < (pairs ? pairs : units); u++) {
+            for (int h = 0; h < (pairs ? 2 : 1); h++) {  // with act: gate unit u, then up unit u + pairs
+                const int g = 2 * (u + h * pairs), G = g + 1 < N / 8 ? 2 : 1;
+                for (int m0 = t0; m0 < t1; m0 += I16P_ROWS)
+                    I16P[(t1 - m0 < I16P_ROWS ? t1 - m0 : I16P_ROWS) - 1][G - 1](
+                        p + (size_t)g * nb * 256, pd + (size_t)g * nb * 8, pm + (size_t)g * nb * 8, &a, m0,
+                        y + (size_t)m0 * N + g * 8, K, N, bias ? bias + g * 8 : NULL);
+                if (pf)
+                    for (int i = 0; i < 8 * G; i++) pf_step(pf);  // as often as the row loop of mm_team would
+            }
+            for (int b = t0; pairs && b < t1; b++) {
+                const float *gb = y + (size_t)b * N + u * 16;
+                silu_mul(gb, gb + N / 2, act + (size_t)b * (N / 2) + u * 16, 16);
+            }
         }
     }
 #pragma omp barrier
+    return pairs > 0;
 }
 
 // Weights [N, K] (N a multiple of 8) as 8-column panels (panel8_dot), from the row layout: q4 (kind
@@ -750,8 +761,6 @@ static inline void prefetch_l2(const void *p, size_t bytes) {
     for (size_t i = 0; i < bytes; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T1);
 }
 
-static void silu_mul(const float *g, const float *u, float *out, int n);
-
 // y [M, N] = x [M, K] w^T (+ bias), run by every thread of the enclosing parallel region. act: where
 // the bfloat16 panels may also write silu(y[:, :N/2]) * y[:, N/2:] (N/2 a multiple of 16); returns
 // whether they did.
@@ -762,8 +771,7 @@ static int mm_team(const xq_linear *w, const float *x, float *y, int M, kv_pf *p
     // whatever rows share its pass.
     const int i16 = w->prec == PREC_INT16 && M <= INT16_ROWS;
     if (w->prec == PREC_INT16 && w->pi && !i16) {
-        mm_i16p(w->pi, w->pd, w->pm, w->bias, w->N, w->K, x, y, M, pf);
-        return 0;
+        return mm_i16p(w->pi, w->pd, w->pm, w->bias, w->N, w->K, x, y, M, pf, act);
     }
 #if !HAS_BF16
     if (w->pq && !i16) {  // 8-column panels (the AVX2 build's float32 path)
