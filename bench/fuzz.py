@@ -59,12 +59,12 @@ def bounded(path: str, body):
     """Keep generation short, so each request answers in well under the time limit on a CPU: a
     body without a cap would otherwise generate up to the server's context length."""
     if isinstance(body, dict):
-        for k in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+        caps = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+        for k in caps:
             if isinstance(body.get(k), int) and body[k] > 8:
                 body[k] = 8
-        cap = _CAPS.get(path)
-        if cap and not any(k in body for k in ("max_tokens", "max_completion_tokens", "max_output_tokens")):
-            body[cap] = 8
+        if path in _CAPS and not any(k in body for k in caps):
+            body[_CAPS[path]] = 8
     return body
 
 

@@ -652,6 +652,13 @@ typedef struct kv_pf kv_pf;
 static void pf_step(kv_pf *p);
 static void silu_mul(const float *g, const float *u, float *out, int n);
 
+// act [rows b0 .. b1, columns c .. c + 15] = silu(gate) * up from y [M, N] (gate the first N / 2
+// columns, up the rest): the epilogue of a turn that computed those columns of both.
+static void silu_cols(const float *y, int N, float *act, int b0, int b1, int c) {
+    for (int b = b0; b < b1; b++)
+        silu_mul(y + (size_t)b * N + c, y + (size_t)b * N + N / 2 + c, act + (size_t)b * (N / 2) + c, 16);
+}
+
 // act: as mm_team's (silu(gate) * up written by the thread that made each 16 columns of both); returns
 // whether it was.
 static int mm_i16p(const int16_t *p, const float *pd, const float *pm, const float *bias, int N, int K,
@@ -697,10 +704,7 @@ static int mm_i16p(const int16_t *p, const float *pd, const float *pm, const flo
                 if (pf)
                     for (int i = 0; i < 8 * G; i++) pf_step(pf);  // as often as the row loop of mm_team would
             }
-            for (int b = t0; pairs && b < t1; b++) {
-                const float *gb = y + (size_t)b * N + u * 16;
-                silu_mul(gb, gb + N / 2, act + (size_t)b * (N / 2) + u * 16, 16);
-            }
+            if (pairs) silu_cols(y, N, act, t0, t1, u * 16);
         }
     }
 #pragma omp barrier
@@ -827,29 +831,26 @@ static int mm_team(const xq_linear *w, const float *x, float *y, int M, kv_pf *p
         // smaller reads).
         const int np16 = w->N / 16, pairs = act ? w->N / 32 : 0, per = pairs || np16 % 4 == 0 ? 2 : 1;
         const int turns = pairs ? pairs : np16 / per;
+        const size_t qb = (size_t)(w->kind ? 16 : 8) * w->K, sb = sizeof(float) * (size_t)nb * 16;  // a panel's
+#define PANEL_OF(t, i) ((pairs) ? (t) + (i) * pairs : per * (t) + (i))  // turn t's i-th panel
 #pragma omp for schedule(static)
         for (int t = 0; t < turns; t++) {
-            const int gs[2] = {pairs ? t : per * t, pairs ? t + pairs : per * t + 1};
-            if (M > PANEL_ROWS && t + 1 < turns) {  // the next turn's bytes and scales, while this one computes
-                const size_t qb = (size_t)(w->kind ? 16 : 8) * w->K, sb = sizeof(float) * (size_t)nb * 16;
-                for (int i = 0; i < per; i++) {
-                    const int g = pairs ? t + 1 + i * pairs : per * (t + 1) + i;
-                    prefetch_l2(w->pq + (size_t)g * qb, qb), prefetch_l2(w->pd + (size_t)g * nb * 16, sb),
-                        prefetch_l2(w->pm + (size_t)g * nb * 16, sb);
-                }
+            for (int i = 0; i < per && M > PANEL_ROWS && t + 1 < turns; i++) {  // the next turn's, while this one computes
+                const int g = PANEL_OF(t + 1, i);
+                prefetch_l2(w->pq + g * qb, qb), prefetch_l2(w->pd + (size_t)g * nb * 16, sb),
+                    prefetch_l2(w->pm + (size_t)g * nb * 16, sb);
             }
             for (int i = 0; i < per && wb; i++) {  // q8, several passes: a panel at a time, unpacked once
-                const int g = gs[i];
-                panel_unpack(w->pq + (size_t)g * 16 * w->K, w->pd + (size_t)g * nb * 16, w->pm + (size_t)g * nb * 16,
-                             w->K, wb);
+                const int g = PANEL_OF(t, i);
+                panel_unpack(w->pq + g * qb, w->pd + (size_t)g * nb * 16, w->pm + (size_t)g * nb * 16, w->K, wb);
                 for (int m0 = 0; m0 < M; m0 += PANEL_ROWS)
                     panel_rows_bf16(wb, xt + (size_t)m0 / PANEL_ROWS * ld * w->K / 2, ld, y + (size_t)m0 * w->N + g * 16,
                                     w->K, w->N, w->bias ? w->bias + g * 16 : NULL, M - m0 < PANEL_ROWS ? M - m0 : PANEL_ROWS);
             }
             for (int m0 = 0; m0 < M && !wb; m0 += PANEL_ROWS)
                 for (int i = 0; i < per; i++) {
-                    const int g = gs[i], rows = M - m0 < PANEL_ROWS ? M - m0 : PANEL_ROWS;
-                    const uint8_t *q = w->pq + (size_t)g * (w->kind ? 16 : 8) * w->K;
+                    const int g = PANEL_OF(t, i), rows = M - m0 < PANEL_ROWS ? M - m0 : PANEL_ROWS;
+                    const uint8_t *q = w->pq + g * qb;
                     const float *dn = w->pd + (size_t)g * nb * 16, *mn = w->pm + (size_t)g * nb * 16;
                     const float *bias = w->bias ? w->bias + g * 16 : NULL;
                     float *yg = y + (size_t)m0 * w->N + g * 16;
@@ -859,11 +860,9 @@ static int mm_team(const xq_linear *w, const float *x, float *y, int M, kv_pf *p
                 }
             if (pf)
                 for (int i = 0; i < 16 * per; i++) pf_step(pf);  // as often as the row loop below would
-            for (int b = 0; pairs && b < M; b++) {
-                const float *gb = y + (size_t)b * w->N + t * 16;
-                silu_mul(gb, gb + w->N / 2, act + (size_t)b * (w->N / 2) + t * 16, 16);
-            }
+            if (pairs) silu_cols(y, w->N, act, 0, M, t * 16);
         }
+#undef PANEL_OF
         free(wb), free(xt), free(sx);
         return pairs > 0;
     }
