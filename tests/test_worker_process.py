@@ -70,8 +70,8 @@ def test_garbage_zmq_frames_are_dropped(caplog):
 def test_workers_see_the_environment_they_are_started_in(monkeypatch):
     """Workers fork from a server that imported xinfer once; a later change to the environment gets
     a freshly spawned worker, whose modules read it."""
-    from xinfer.workers import worker
-    monkeypatch.setattr(worker, "_fork_env", None)
-    assert worker._worker_context().get_start_method() == "forkserver"
+    from xinfer.workers import fork_server
+    monkeypatch.setattr(fork_server, "_fork_env", None)
+    assert fork_server.worker_context().get_start_method() == "forkserver"
     monkeypatch.setenv("XINFER_TEST_MARKER", "1")
-    assert worker._worker_context().get_start_method() == "spawn"
+    assert fork_server.worker_context().get_start_method() == "spawn"

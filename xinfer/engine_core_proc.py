@@ -59,9 +59,9 @@ def _main(config: EngineConfig, topology: Topology, log_level: str, parent: int)
         config.resolve_quantization(info.has_blocks)
         spec.check(config, info)
         parallel.check(config, info.config)
-        proc.core = EngineCore(config, info, ProcessRunner(config, topology, log_level))
         proc.tokenizer = info.tokenizer.to_spec() if info.tokenizer is not None else None
-        proc.start_pipeline()
+        proc.start_pipeline()  # before the model loads: the detokenizer and parser start beside it
+        proc.core = EngineCore(config, info, ProcessRunner(config, topology, log_level))
         core = proc.core  # its max_model_len is capped by the KV cache: what the API goes by
         proc.push.send(proc.tx.encode(Ready(info.name, core.max_model_len, os.getpid(), core.blocks.num_blocks,
                                             config.block_size)))

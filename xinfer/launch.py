@@ -60,6 +60,9 @@ API_ENTRY, SCHEDULER_ENTRY = ("xinfer.api.server", "serve"), ("xinfer.engine_cor
 
 def _run(entry, *args) -> None:
     import importlib
+    if entry == SCHEDULER_ENTRY:  # the workers' fork server imports torch beside the scheduler's own imports
+        from xinfer.workers import fork_server
+        fork_server.start()
     getattr(importlib.import_module(entry[0]), entry[1])(*args)
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import multiprocessing as mp
 import os
 import time
 
@@ -25,6 +24,7 @@ from xinfer.ipc.shm_ring import PeerDied, RingClosed, RingReader, RingWriter, cr
 from xinfer.ipc.step import StepPlan, StepResult
 from xinfer.ipc.topology import Topology
 from xinfer.loader import load_model_info
+from xinfer.workers import fork_server
 from xinfer.workers.model_runner import ModelRunner
 from xinfer.workers.runner import WorkerDied
 
@@ -104,27 +104,6 @@ def serve_plans(plans: RingReader, runner: ModelRunner, dec: Codec, write, enc) 
             write(enc.encode(result))
 
 
-_fork_env: dict | None = None  # the environment the fork server started in
-
-
-def _worker_context():
-    """Workers are forked from a fork server (xinfer::worker-fork, a child of the scheduler) that
-    has already imported torch and the model code, and has started no thread and touched no
-    device: a restart after a crash then costs the model load, not two more seconds of imports.
-    The server exits when the scheduler does; its workers follow it (they watch their parent).
-    Its workers see the environment it started in (modules read XINFER_* as they import): once
-    the environment has changed (an offline Engine after a setting), workers are spawned afresh."""
-    global _fork_env
-    env = dict(os.environ)
-    if _fork_env is None:
-        _fork_env = env
-    if env != _fork_env:
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["xinfer.workers.zygote"])
-    return ctx
-
-
 class Ranks:
     """One generation of this node's worker ranks: a plan ring they all read, and the processes.
     Node 0's also have the result ring that rank 0 answers on (ProcessRunner); a headless node's
@@ -145,7 +124,7 @@ class Ranks:
         # the ranks' rendezvous: a file on one node; across nodes, the TCP store rank 0 hosts
         store = "" if world == 1 else f"file://{t.tp_store(gen)}" if config.nnodes == 1 else \
             f"tcp://{config.master_addr}:{config.master_port}"
-        self.procs = [_worker_context().Process(
+        self.procs = [fork_server.worker_context().Process(
             target=run_worker, name=f"xinfer::worker-{first + r}", daemon=True,
             args=(config, num_blocks, self.shms[0].name, self.shms[1].name if results else "", plan_sides[r],
                   result_side, first + r, r, log_level, store)) for r in range(n)]

@@ -1,5 +1,5 @@
-"""Imported only in the fork server that model workers are forked from (worker.py's
-_worker_context): it names that process for ps and imports what every worker needs, so a worker
+"""Imported only in the fork server that model workers are forked from (fork_server.py's
+worker_context): it names that process for ps and imports what every worker needs, so a worker
 (or its replacement after a crash) starts with torch and the model code already loaded."""
 from xinfer import process
 
