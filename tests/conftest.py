@@ -121,9 +121,22 @@ def start_server(*args, timeout: float = 240, env: dict | None = None, cwd: str 
             pass
         if proc.poll() is not None:
             pytest.fail("server exited: " + proc.stdout.read())
-        time.sleep(0.5)
+        time.sleep(0.1)
     proc.kill()
     pytest.fail("server did not become healthy")
+
+
+CHAT_KEY = "sk-test-key"
+
+
+@pytest.fixture(scope="session")
+def chat_server():
+    """One bundled-model server with a 2,048-token context behind an API key (CHAT_KEY), shared by the
+    modules that check API shapes with the real clients (Anthropic, Responses, structured outputs):
+    one start-up instead of three. Its base URL."""
+    proc, base, _ = start_server("--kv-cache-gb", "0.25", "--max-model-len", "2048", "--api-key", CHAT_KEY)
+    yield base
+    stop_server(proc)
 
 
 def stop_server(proc) -> None:

@@ -7,11 +7,10 @@ import urllib.request
 import jsonschema
 import pytest
 
-from tests.conftest import start_server, stop_server
+from tests.conftest import CHAT_KEY as KEY
 
 anthropic = pytest.importorskip("anthropic")
 
-KEY = "sk-test-key"
 WEATHER = {"name": "get_weather", "description": "The weather in a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
                                                              "unit": {"enum": ["c", "f"]}},
@@ -20,10 +19,8 @@ HI = [{"role": "user", "content": "Say hello in five words."}]
 
 
 @pytest.fixture(scope="module")
-def srv():
-    proc, base, _ = start_server("--kv-cache-gb", "0.25", "--max-model-len", "2048", "--api-key", KEY)
-    yield base, anthropic.Anthropic(base_url=base, api_key=KEY, max_retries=0)
-    stop_server(proc)
+def srv(chat_server):
+    return chat_server, anthropic.Anthropic(base_url=chat_server, api_key=KEY, max_retries=0)
 
 
 def test_messages_whole(srv):

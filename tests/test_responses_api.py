@@ -6,7 +6,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.conftest import start_server, stop_server
+from tests.conftest import CHAT_KEY
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
@@ -14,10 +14,8 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
 
 
 @pytest.fixture(scope="module")
-def client():
-    proc, base, _ = start_server("--kv-cache-gb", "0.25", "--max-model-len", "2048")
-    yield openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
-    stop_server(proc)
+def client(chat_server):
+    return openai.OpenAI(base_url=chat_server + "/v1", api_key=CHAT_KEY, max_retries=0)
 
 
 def test_whole_and_streamed(client):

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 import torch
 
-from tests.conftest import start_server, stop_server
+from tests.conftest import CHAT_KEY
 from xinfer.errors import InvalidRequestError
 from xinfer.structured import StructuredOutput as SO, check
 
@@ -231,11 +231,10 @@ def test_families_without_a_grammar_keep_the_forced_prefix():
 # ---- the server ----
 
 @pytest.fixture(scope="module")
-def srv():
-    proc, base, _ = start_server("--kv-cache-gb", "0.25", "--max-model-len", "2048")
+def srv(chat_server):
     from openai import OpenAI
-    yield SimpleNamespace(base=base, client=OpenAI(base_url=base + "/v1", api_key="none", max_retries=0))
-    stop_server(proc)
+    return SimpleNamespace(base=chat_server, client=OpenAI(base_url=chat_server + "/v1", api_key=CHAT_KEY,
+                                                           max_retries=0))
 
 
 ASK = [{"role": "user", "content": "Invent a person."}]

@@ -80,5 +80,5 @@ def test_models_with_fused_ops_and_graphs_match_transformers(name, tmp_path, tri
     model = _make(name)
     model.save_pretrained(tmp_path)
     engine = _check_logits(name, str(tmp_path), model, backend="triton")
-    assert engine.runner.graphs is not None and engine.runner.graphs.replays >= 10
+    assert engine.runner.graphs is not None and engine.runner.graphs.replays >= 6  # of 8 decode steps
     engine.close()

@@ -33,6 +33,7 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import socket as socketlib
 import sys
 import time
 
@@ -90,7 +91,14 @@ class Supervisor:
         self.inbox = socket(self.ctx, zmq.PULL, self.topology.launch, bind=True)
         self.codec = Codec(msgs.LaunchMessage)
         os.environ[envs.LAUNCH] = self.topology.launch  # every process started from here reports to the inbox
+        # A signal or a child's exit wakes the wait on the inbox at once (a byte on this pair), so a
+        # stop or a death is acted on now, not at the end of the wait.
+        self.wake, wake_w = socketlib.socketpair()
+        for end in (self.wake, wake_w):
+            end.setblocking(False)
+        old_fd = signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        old[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, lambda *_: None)
         try:
             return self._run()
         except LaunchFailed as e:
@@ -100,6 +108,9 @@ class Supervisor:
             self._stop_all()
             for s, h in old.items():
                 signal.signal(s, h)
+            signal.set_wakeup_fd(old_fd)
+            self.wake.close()
+            wake_w.close()
             os.environ.pop(envs.LAUNCH, None)
             self.inbox.close()
             self.ctx.term()
@@ -159,10 +170,21 @@ class Supervisor:
         return True
 
     def _receive(self, timeout: float) -> None:
-        """Handle the messages that arrive within `timeout` seconds."""
+        """Handle the messages that arrive within `timeout` seconds, or until a signal or a child's exit."""
+        poller = zmq.Poller()
+        poller.register(self.inbox, zmq.POLLIN)
+        poller.register(self.wake, zmq.POLLIN)
         wait = int(timeout * 1000)
-        while self.inbox.poll(wait):
+        while events := dict(poller.poll(wait)):
             wait = 0
+            if self.wake.fileno() in events:
+                try:
+                    while self.wake.recv(64):
+                        pass
+                except BlockingIOError:
+                    pass
+            if self.inbox not in events:
+                continue
             msg = self.codec.decode(self.inbox.recv())
             if isinstance(msg, msgs.Started):
                 if self.ready:
@@ -184,9 +206,9 @@ class Supervisor:
             for name in (SCHEDULER, API):  # the scheduler first: its death also stops the API
                 p = self.procs[name]
                 if not p.is_alive():
-                    self._receive(0.5)
                     if self.signals and name == API:  # a signal came meanwhile: it drained and exited
                         return self._drain()
+                    self._receive(0.5)  # its Failed, if it sent one
                     why = "; ".join(f"{f.name}: {f.message}" for f in self.failures) or \
                         f"exited unexpectedly (exit code {p.exitcode})"
                     who = "" if self.failures else name + " "
