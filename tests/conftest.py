@@ -96,10 +96,27 @@ def tiny_llama_path(tmp_path_factory):
     return str(path)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(n: int = 1) -> int:
+    """A port P with P .. P + n - 1 free (a cluster's master port and the one after it), drawn below
+    the kernel's ephemeral range: an outgoing connection elsewhere in the suite can take a port from
+    that range between this check and the server's bind, never one below it."""
+    import random
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()  # not the suite's seeded draws: parallel runs must not pick the same ports
+    for _ in range(200):
+        port = rng.randrange(10000, max(10001, low - n))
+        try:
+            for p in range(port, port + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def start_server(*args, timeout: float = 240, env: dict | None = None, cwd: str | None = None):

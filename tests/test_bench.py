@@ -3,7 +3,6 @@ against a tiny fake OpenAI-compatible server (plain asyncio, in a thread) and a 
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -13,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from tests.conftest import stop_server
+from tests.conftest import free_port, stop_server
 
 pytest.importorskip("aiohttp")
 pytest.importorskip("matplotlib")
@@ -432,12 +431,6 @@ def test_rss_growth_check():
 
 
 # ---------------------------------------------------------------- a real xinfer server
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def xinfer_server():

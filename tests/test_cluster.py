@@ -24,7 +24,7 @@ from xinfer.workers.runner import WorkerDied
 
 
 def _pair(key="k3y"):
-    port = free_port()
+    port = free_port(2)  # the master port and the publisher's, one above it
     pub = cluster.Publisher("127.0.0.1", port - 1, key)
     sub = cluster.Subscriber("127.0.0.1", port - 1, key)
     deadline = time.monotonic() + 10
@@ -56,7 +56,7 @@ def test_frames_are_signed_and_replays_dropped():
 
 
 def test_a_different_key_verifies_nothing():
-    port = free_port()
+    port = free_port(2)  # the master port and the publisher's, one above it
     pub = cluster.Publisher("127.0.0.1", port - 1, "right")
     sub = cluster.Subscriber("127.0.0.1", port - 1, "wrong")
     try:
@@ -99,7 +99,7 @@ def tiny(tmp_path_factory):
 def test_two_nodes_equal_one_rank(tiny, tp, pp):
     """(2, 2): each node holds one stage of two tensor-parallel ranks."""
     kw, want = tiny
-    port = free_port()
+    port = free_port(2)  # the master port and the publisher's, one above it
     node1 = _headless(port)
     try:
         e = Engine(EngineConfig(**kw, tensor_parallel_size=tp, pipeline_parallel_size=pp, nnodes=2, master_port=port,
@@ -115,7 +115,7 @@ def test_two_nodes_equal_one_rank(tiny, tp, pp):
 
 def test_a_node_that_does_not_join_is_a_clear_error(tiny, tmp_path):
     kw, _ = tiny
-    port = free_port()
+    port = free_port(2)  # the master port and the publisher's, one above it
     log = open(tmp_path / "node1.log", "w")
     node1 = _headless(port, key="not-the-key", log=log)  # its frames never verify: it never joins
     try:
@@ -136,7 +136,7 @@ def test_served_across_two_nodes_a_killed_remote_rank_loses_nothing(tiny_llama_p
     mid-stream restarts both nodes' ranks, and every stream completes with the same text."""
     from openai import OpenAI
     model = make_chat_model(tiny_llama_path, tmp_path / "m", "{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    mport = free_port()
+    mport = free_port(2)  # the master port and the publisher's, one above it
     node1 = _headless(mport)
     srv = None
     try:
