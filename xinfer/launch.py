@@ -96,6 +96,9 @@ class Supervisor:
         self.wake, wake_w = socketlib.socketpair()
         for end in (self.wake, wake_w):
             end.setblocking(False)
+        self.poller = zmq.Poller()
+        self.poller.register(self.inbox, zmq.POLLIN)
+        self.poller.register(self.wake, zmq.POLLIN)
         old_fd = signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         old[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, lambda *_: None)
@@ -171,11 +174,8 @@ class Supervisor:
 
     def _receive(self, timeout: float) -> None:
         """Handle the messages that arrive within `timeout` seconds, or until a signal or a child's exit."""
-        poller = zmq.Poller()
-        poller.register(self.inbox, zmq.POLLIN)
-        poller.register(self.wake, zmq.POLLIN)
         wait = int(timeout * 1000)
-        while events := dict(poller.poll(wait)):
+        while events := dict(self.poller.poll(wait)):
             wait = 0
             if self.wake.fileno() in events:
                 try:
