@@ -1590,15 +1590,6 @@ static inline void bf16_span_rows(const int32_t *tab, int c0, int n, int bs, int
     }
 }
 
-// A chunk's rows (all heads: `row` bytes each) fetched toward L1 (T0) or L2 (T1).
-static inline void prefetch_rows(const uint16_t *base, const size_t *at, int row, int hint) {
-    for (int j = 0; j < VW; j++)
-        for (int i = 0; i < row; i += 64) {
-            if (hint) _mm_prefetch((const char *)(base + at[j]) + i, _MM_HINT_T1);
-            else _mm_prefetch((const char *)(base + at[j]) + i, _MM_HINT_T0);
-        }
-}
-
 // Lane j: q . row j (hi and lo parts, KD vectors of 32 each), over the chunk's VW rows at + hoff.
 static inline __attribute__((always_inline)) vf qk_bf16(const __m512bh *qh, const __m512bh *ql,
                                                         const uint16_t *base, const size_t *at, int KD) {
@@ -1650,14 +1641,37 @@ static inline __attribute__((always_inline)) void pv_bf16(const uint16_t *base, 
     }
 }
 
+// The rows a span reads, in the order it reads them (its keys, its values, then the next span's
+// first keys), fetched toward L2 a few at a time as it computes, PF_DIST rows ahead of its reads.
+// Fetches issued in bursts (a chunk's rows at once, as before) fill the core's miss queue and stall
+// its own loads, so reading and computing did not overlap (bench/NOTES-cpu.md, ninth session).
+#ifndef PF_DIST
+#define PF_DIST 64
+#endif
+typedef struct {
+    const char *kb, *vb;
+    const size_t *at, *an;  // this span's rows, the next span's (element offsets, bfloat16)
+    int n, nn, row, pos;    // pos: rows issued so far
+} row_feed;
+
+static inline void feed_to(row_feed *f, int upto) {
+    const int total = 2 * f->n + (f->nn < PF_DIST ? f->nn : PF_DIST);
+    if (upto > total) upto = total;
+    for (; f->pos < upto; f->pos++) {
+        const int i = f->pos;
+        const char *p = i < f->n ? f->kb + 2 * f->at[i] : i < 2 * f->n ? f->vb + 2 * f->at[i - f->n]
+                                                                       : f->kb + 2 * f->an[i - 2 * f->n];
+        for (int b = 0; b < f->row; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+    }
+}
+
 // attend_span for a bfloat16 cache: qh / ql the sequence's query heads [Hq, D] split in two.
-// an (nn rows, or none): the span that comes next (this sequence's or the thread's next item's), its
-// K and V fetched toward L2 a chunk each chunk, so its reads find them there: spans read cold came
-// out ~10% slower (bench/NOTES-cpu.md).
+// an (nn rows, or none): the span that comes next (this sequence's or the thread's next item's),
+// whose first keys this span fetches (row_feed). first: no span before this one fetched its keys.
 static void attend_span_bf16(const uint16_t *qh, const uint16_t *ql, const xq_kv *kc, const xq_kv *vc,
                              const int32_t *tab, int c0, int n, int G, int Hkv, int D, int bs, float scale,
                              float softcap, float *const *o, float *const *mx, float *const *sum,
-                             const size_t *an, int nn) {
+                             const size_t *an, int nn, int first) {
     const int nc = (n + VW - 1) / VW, KD = D / 32, row = Hkv * D * 2;
     float sc[Hkv * G][SPAN];
     uint16_t ph[Hkv * G][SPAN], pl[Hkv * G][SPAN];
@@ -1665,17 +1679,16 @@ static void attend_span_bf16(const uint16_t *qh, const uint16_t *ql, const xq_kv
     const uint16_t *kb = kc->data, *vb = vc->data;
     const vf sv = v_set1(scale);
     bf16_span_rows(tab, c0, n, bs, Hkv, D, at);
-    if (!kc->warm) prefetch_rows(kb, at, row, 0);
+    row_feed f = {(const char *)kb, (const char *)vb, at, an, n, kc->warm ? 0 : nn, row, 0};
+    if (kc->warm) f.pos = 2 * n;  // all fetched during the matmul before
+    else if (!first) f.pos = n < PF_DIST ? n : PF_DIST;
+    const int calls = Hkv * G;  // scores: a chunk's calls, each issuing its share of the chunk's fetches
     for (int c = 0; c < nc; c++) {
         const size_t *ac = at + c * VW;
-        if (!kc->warm) {  // the next chunk's keys, and this chunk's values for P.V after the span's scores
-            if (c + 1 < nc) prefetch_rows(kb, ac + VW, row, 0);
-            prefetch_rows(vb, ac, row, 1);
-            if (c * VW < nn) prefetch_rows(kb, an + c * VW, row, 1), prefetch_rows(vb, an + c * VW, row, 1);
-        }
         for (int h = 0; h < Hkv; h++)
             for (int g = 0; g < G; g++) {
                 const size_t qo = ((size_t)h * G + g) * D;
+                feed_to(&f, c * VW + VW * (h * G + g + 1) / calls + PF_DIST);
                 __m512bh qhv[4], qlv[4];
                 for (int i = 0; i < KD; i++)
                     qhv[i] = (__m512bh)_mm512_loadu_si512(qh + qo + 32 * i), qlv[i] = (__m512bh)_mm512_loadu_si512(ql + qo + 32 * i);
@@ -1683,15 +1696,16 @@ static void attend_span_bf16(const uint16_t *qh, const uint16_t *ql, const xq_kv
                 v_store(sc[h * G + g] + c * VW, v_mul(s, sv));
             }
     }
-    if (!kc->warm)  // a short span: the rest of the next one
-        for (int c = nc; c * VW < nn; c++) prefetch_rows(kb, an + c * VW, row, 1), prefetch_rows(vb, an + c * VW, row, 1);
     span_softmax(&sc[0][0], n, Hkv, G, D, softcap, o, mx, sum);
     for (int r = 0; r < Hkv * G; r++) split_bf16(sc[r], ph[r], pl[r], nc * VW);
+    const int pcalls = Hkv * ((G + 3) / 4) * (D / 64);
     for (int c = 0; c < nc; c++) {
         const size_t *ac = at + c * VW;
+        int k = 0;
         for (int h = 0; h < Hkv; h++)
             for (int g0 = 0; g0 < G; g0 += 4)
                 for (int i0 = 0; i0 < D; i0 += 64) {
+                    feed_to(&f, n + c * VW + VW * ++k / pcalls + PF_DIST);
                     const int gn = G - g0 < 4 ? G - g0 : 4;
                     const uint16_t *hp = ph[h * G + g0] + c * VW, *lp = pl[h * G + g0] + c * VW, *vh = vb + (size_t)h * D;
                     float *og = o[h] + (size_t)g0 * D;
@@ -1703,6 +1717,7 @@ static void attend_span_bf16(const uint16_t *qh, const uint16_t *ql, const xq_kv
                     }
                 }
     }
+    feed_to(&f, 2 * n + PF_DIST);
 }
 #endif
 
@@ -1743,7 +1758,7 @@ static void attend_range(const float *q, const xq_kv *kc, const xq_kv *vc, const
         if (on_dp) {
             size_t an[SPAN];
             if (nn) bf16_span_rows(nx, a0, nn, bs, Hkv, D, an);
-            attend_span_bf16(qh, ql, kc, vc, tab, c0, n, G, Hkv, D, bs, scale, softcap, o, mx, sum, an, nn);
+            attend_span_bf16(qh, ql, kc, vc, tab, c0, n, G, Hkv, D, bs, scale, softcap, o, mx, sum, an, nn, c0 == t0);
             continue;
         }
 #endif
