@@ -1466,18 +1466,6 @@ static void pv_chunk(const float *vr, size_t vstride, const float *vs, const flo
 }
 #undef PV_IN
 
-// The span's rows of a cache (positions c0 .. c0 + n - 1, `row` values each) fetched toward L2 at
-// once: its blocks lie anywhere in the cache, so the hardware's streams stop at each block's end.
-static void prefetch_span(const xq_kv *c, const int32_t *tab, int c0, int n, int bs, int row) {
-    const size_t el = kv_elem_bytes(c->kind);
-    if (!el) return;
-    for (int t = c0; t < c0 + n;) {
-        const int off = t % bs, cnt = bs - off < c0 + n - t ? bs - off : c0 + n - t;
-        prefetch_l2((const char *)c->data + ((size_t)tab[t / bs] * bs + off) * row * el, (size_t)cnt * row * el);
-        t += cnt;
-    }
-}
-
 // Lane j: the dot product of query qg with row j of the chunk (at k + j * stride), nd vectors long:
 // nd a constant where it is 4 or 8 (head sizes 64 and 128 of AVX-512), so the sums stay in registers.
 static inline __attribute__((always_inline)) vf qk_chunk(const float *qg, const float *k, size_t stride, int nd) {
@@ -1533,15 +1521,43 @@ static void span_softmax(float *sc, int n, int Hkv, int G, int D, float softcap,
 // * tanh(scores / softcap). o[h] [G, D] stays unnormalized, with each head's running max and sum of
 // exponentials in mx[h] and sum[h]. A chunk's tokens hold all their heads side by side ([bs, Hkv, D]
 // blocks), so the heads are inner: each block is read from memory in one sweep.
+// The rows a span reads, in the order it reads them (its keys, its values, then the next span's
+// first keys), fetched toward L2 a few at a time as it computes, PF_DIST rows ahead of its reads.
+// Fetches issued in bursts (a chunk's or a span's rows at once, as before) fill the core's miss
+// queue and stall its own loads, so reading and computing did not overlap (bench/NOTES-cpu.md, ninth
+// session).
+#ifndef PF_DIST
+#define PF_DIST 64
+#endif
+typedef struct {
+    const char *k, *v;
+    const int32_t *tab, *ntab;    // this span's block table, the next span's (or NULL)
+    int c0, n, a0, nn, bs, row;   // positions c0 .. c0 + n - 1, then a0 .. a0 + nn - 1; row: bytes a position
+    int pos;                      // rows issued so far
+} row_feed;
+
+static inline void feed_to(row_feed *f, int upto) {
+    const int total = 2 * f->n + (f->nn < PF_DIST ? f->nn : PF_DIST);
+    if (upto > total) upto = total;
+    for (; f->pos < upto; f->pos++) {
+        const int i = f->pos, v = i >= f->n && i < 2 * f->n;
+        const int t = i < f->n ? f->c0 + i : v ? f->c0 + i - f->n : f->a0 + i - 2 * f->n;
+        const int32_t *tab = i < 2 * f->n ? f->tab : f->ntab;
+        const char *p = (v ? f->v : f->k) + ((size_t)tab[t / f->bs] * f->bs + t % f->bs) * f->row;
+        for (int b = 0; b < f->row; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+    }
+}
+
 static void attend_span(const float *q, const xq_kv *kc, const xq_kv *vc, const int32_t *tab, int c0, int n, int G,
                         int Hkv, int D, int bs, float scale, float softcap, float *const *o, float *const *mx,
-                        float *const *sum) {
+                        float *const *sum, row_feed *f) {
     const int nc = (n + VW - 1) / VW;
     float sc[Hkv * G][SPAN], buf[VW * D], rs[VW];
     size_t stride;
     for (int c = 0; c < nc; c++) {
         const int cnt = n - c * VW < VW ? n - c * VW : VW;
         for (int h = 0; h < Hkv; h++) {
+            feed_to(f, c * VW + VW * (h + 1) / Hkv + PF_DIST);
             const float *kr = chunk_rows(kc, tab, c0 + c * VW, cnt, bs, Hkv, h, D, buf, &stride, rs);
             const vf ks = v_mul(v_load(rs), v_set1(scale));
             for (int g = 0; g < G; g++) {
@@ -1556,6 +1572,7 @@ static void attend_span(const float *q, const xq_kv *kc, const xq_kv *vc, const 
     for (int c = 0; c < nc; c++) {
         const int cnt = n - c * VW < VW ? n - c * VW : VW;
         for (int h = 0; h < Hkv; h++) {
+            feed_to(f, n + c * VW + VW * (h + 1) / Hkv + PF_DIST);
             const float *vr = chunk_rows(vc, tab, c0 + c * VW, cnt, bs, Hkv, h, D, buf, &stride, rs);
             pv_chunk(vr, stride, rs, sc[h * G] + c * VW, SPAN, cnt, o[h], D, G, D);
         }
@@ -1641,54 +1658,24 @@ static inline __attribute__((always_inline)) void pv_bf16(const uint16_t *base, 
     }
 }
 
-// The rows a span reads, in the order it reads them (its keys, its values, then the next span's
-// first keys), fetched toward L2 a few at a time as it computes, PF_DIST rows ahead of its reads.
-// Fetches issued in bursts (a chunk's rows at once, as before) fill the core's miss queue and stall
-// its own loads, so reading and computing did not overlap (bench/NOTES-cpu.md, ninth session).
-#ifndef PF_DIST
-#define PF_DIST 64
-#endif
-typedef struct {
-    const char *kb, *vb;
-    const size_t *at, *an;  // this span's rows, the next span's (element offsets, bfloat16)
-    int n, nn, row, pos;    // pos: rows issued so far
-} row_feed;
-
-static inline void feed_to(row_feed *f, int upto) {
-    const int total = 2 * f->n + (f->nn < PF_DIST ? f->nn : PF_DIST);
-    if (upto > total) upto = total;
-    for (; f->pos < upto; f->pos++) {
-        const int i = f->pos;
-        const char *p = i < f->n ? f->kb + 2 * f->at[i] : i < 2 * f->n ? f->vb + 2 * f->at[i - f->n]
-                                                                       : f->kb + 2 * f->an[i - 2 * f->n];
-        for (int b = 0; b < f->row; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
-    }
-}
-
 // attend_span for a bfloat16 cache: qh / ql the sequence's query heads [Hq, D] split in two.
-// an (nn rows, or none): the span that comes next (this sequence's or the thread's next item's),
-// whose first keys this span fetches (row_feed). first: no span before this one fetched its keys.
 static void attend_span_bf16(const uint16_t *qh, const uint16_t *ql, const xq_kv *kc, const xq_kv *vc,
                              const int32_t *tab, int c0, int n, int G, int Hkv, int D, int bs, float scale,
-                             float softcap, float *const *o, float *const *mx, float *const *sum,
-                             const size_t *an, int nn, int first) {
-    const int nc = (n + VW - 1) / VW, KD = D / 32, row = Hkv * D * 2;
+                             float softcap, float *const *o, float *const *mx, float *const *sum, row_feed *f) {
+    const int nc = (n + VW - 1) / VW, KD = D / 32;
     float sc[Hkv * G][SPAN];
     uint16_t ph[Hkv * G][SPAN], pl[Hkv * G][SPAN];
     size_t at[SPAN];
     const uint16_t *kb = kc->data, *vb = vc->data;
     const vf sv = v_set1(scale);
     bf16_span_rows(tab, c0, n, bs, Hkv, D, at);
-    row_feed f = {(const char *)kb, (const char *)vb, at, an, n, kc->warm ? 0 : nn, row, 0};
-    if (kc->warm) f.pos = 2 * n;  // all fetched during the matmul before
-    else if (!first) f.pos = n < PF_DIST ? n : PF_DIST;
     const int calls = Hkv * G;  // scores: a chunk's calls, each issuing its share of the chunk's fetches
     for (int c = 0; c < nc; c++) {
         const size_t *ac = at + c * VW;
         for (int h = 0; h < Hkv; h++)
             for (int g = 0; g < G; g++) {
                 const size_t qo = ((size_t)h * G + g) * D;
-                feed_to(&f, c * VW + VW * (h * G + g + 1) / calls + PF_DIST);
+                feed_to(f, c * VW + VW * (h * G + g + 1) / calls + PF_DIST);
                 __m512bh qhv[4], qlv[4];
                 for (int i = 0; i < KD; i++)
                     qhv[i] = (__m512bh)_mm512_loadu_si512(qh + qo + 32 * i), qlv[i] = (__m512bh)_mm512_loadu_si512(ql + qo + 32 * i);
@@ -1705,7 +1692,7 @@ static void attend_span_bf16(const uint16_t *qh, const uint16_t *ql, const xq_kv
         for (int h = 0; h < Hkv; h++)
             for (int g0 = 0; g0 < G; g0 += 4)
                 for (int i0 = 0; i0 < D; i0 += 64) {
-                    feed_to(&f, n + c * VW + VW * ++k / pcalls + PF_DIST);
+                    feed_to(f, n + c * VW + VW * ++k / pcalls + PF_DIST);
                     const int gn = G - g0 < 4 ? G - g0 : 4;
                     const uint16_t *hp = ph[h * G + g0] + c * VW, *lp = pl[h * G + g0] + c * VW, *vh = vb + (size_t)h * D;
                     float *og = o[h] + (size_t)g0 * D;
@@ -1717,7 +1704,7 @@ static void attend_span_bf16(const uint16_t *qh, const uint16_t *ql, const xq_kv
                     }
                 }
     }
-    feed_to(&f, 2 * n + PF_DIST);
+    feed_to(f, 2 * n + PF_DIST);
 }
 #endif
 
@@ -1732,7 +1719,7 @@ static void attend_range(const float *q, const xq_kv *kc, const xq_kv *vc, const
         memset(o[h], 0, sizeof(float) * (size_t)G * D);
     }
 #if defined(__AVX512BF16__)
-    const int on_dp = kc->kind == KV_BF16 && (D == 64 || D == 128);  // attend_span_bf16, which prefetches its own
+    const int on_dp = kc->kind == KV_BF16 && (D == 64 || D == 128);  // attend_span_bf16
     uint16_t qh[on_dp ? Hkv * G * D : 1], ql[on_dp ? Hkv * G * D : 1];
     if (on_dp) split_bf16(q, qh, ql, Hkv * G * D);
 #else
@@ -1740,29 +1727,20 @@ static void attend_range(const float *q, const xq_kv *kc, const xq_kv *vc, const
 #endif
     for (int c0 = t0; c0 < t1; c0 += SPAN) {
         const int n = t1 - c0 < SPAN ? t1 - c0 : SPAN;
-        // the span read next (this range's or the next one's): fetched toward L2 while this one computes
+        // the span read next (this range's or the next one's), whose first keys this one fetches
         const int32_t *nx = c0 + SPAN < t1 ? tab : ntab;
         const int a0 = c0 + SPAN < t1 ? c0 + SPAN : nt0, a1 = c0 + SPAN < t1 ? t1 : nt1;
-        const int nn = nx && !kc->warm && a1 > a0 ? (a1 - a0 < SPAN ? a1 - a0 : SPAN) : 0;
-        if (!kc->warm && !on_dp) {
-            if (c0 == t0) {  // no span before the first fetched it
-                prefetch_span(kc, tab, c0, n, bs, Hkv * D);
-                prefetch_span(vc, tab, c0, n, bs, Hkv * D);
-            }
-            if (nn) {
-                prefetch_span(kc, nx, a0, nn, bs, Hkv * D);
-                prefetch_span(vc, nx, a0, nn, bs, Hkv * D);
-            }
-        }
+        const int nn = nx && a1 > a0 ? (a1 - a0 < SPAN ? a1 - a0 : SPAN) : 0;
+        row_feed f = {kc->data, vc->data, tab, nx, c0, n, a0, nn, bs, Hkv * D * kv_elem_bytes(kc->kind), 0};
+        if (kc->warm || !f.row) f.pos = 2 * n, f.nn = 0;  // all fetched during the matmul before; turbo: not fetched
+        else if (c0 > t0) f.pos = n < PF_DIST ? n : PF_DIST;  // the span before fetched them
 #if defined(__AVX512BF16__)
         if (on_dp) {
-            size_t an[SPAN];
-            if (nn) bf16_span_rows(nx, a0, nn, bs, Hkv, D, an);
-            attend_span_bf16(qh, ql, kc, vc, tab, c0, n, G, Hkv, D, bs, scale, softcap, o, mx, sum, an, nn, c0 == t0);
+            attend_span_bf16(qh, ql, kc, vc, tab, c0, n, G, Hkv, D, bs, scale, softcap, o, mx, sum, &f);
             continue;
         }
 #endif
-        attend_span(q, kc, vc, tab, c0, n, G, Hkv, D, bs, scale, softcap, o, mx, sum);
+        attend_span(q, kc, vc, tab, c0, n, G, Hkv, D, bs, scale, softcap, o, mx, sum, &f);
     }
 }
 
