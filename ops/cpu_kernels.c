@@ -1522,22 +1522,21 @@ static void span_softmax(float *sc, int n, int Hkv, int G, int D, float softcap,
 // exponentials in mx[h] and sum[h]. A chunk's tokens hold all their heads side by side ([bs, Hkv, D]
 // blocks), so the heads are inner: each block is read from memory in one sweep.
 // The rows a span reads, in the order it reads them (its keys, its values, then the next span's
-// first keys), fetched toward L2 a few at a time as it computes, PF_DIST rows ahead of its reads.
+// first keys), fetched toward L2 a few at a time as it computes, ~PF_AHEAD bytes ahead of its reads.
 // Fetches issued in bursts (a chunk's or a span's rows at once, as before) fill the core's miss
 // queue and stall its own loads, so reading and computing did not overlap (bench/NOTES-cpu.md, ninth
 // session).
-#ifndef PF_DIST
-#define PF_DIST 64
-#endif
+#define PF_AHEAD (24 << 10)  // 64 rows of a bfloat16 cache, 32 of float32 (measured best of 16-128)
 typedef struct {
     const char *k, *v;
     const int32_t *tab, *ntab;    // this span's block table, the next span's (or NULL)
     int c0, n, a0, nn, bs, row;   // positions c0 .. c0 + n - 1, then a0 .. a0 + nn - 1; row: bytes a position
-    int pos;                      // rows issued so far
+    int ahead, pos;               // rows fetched ahead of the reads; rows issued so far
 } row_feed;
 
 static inline void feed_to(row_feed *f, int upto) {
-    const int total = 2 * f->n + (f->nn < PF_DIST ? f->nn : PF_DIST);
+    const int total = 2 * f->n + (f->nn < f->ahead ? f->nn : f->ahead);
+    upto += f->ahead;
     if (upto > total) upto = total;
     for (; f->pos < upto; f->pos++) {
         const int i = f->pos, v = i >= f->n && i < 2 * f->n;
@@ -1557,7 +1556,7 @@ static void attend_span(const float *q, const xq_kv *kc, const xq_kv *vc, const 
     for (int c = 0; c < nc; c++) {
         const int cnt = n - c * VW < VW ? n - c * VW : VW;
         for (int h = 0; h < Hkv; h++) {
-            feed_to(f, c * VW + VW * (h + 1) / Hkv + PF_DIST);
+            feed_to(f, c * VW + VW * (h + 1) / Hkv);
             const float *kr = chunk_rows(kc, tab, c0 + c * VW, cnt, bs, Hkv, h, D, buf, &stride, rs);
             const vf ks = v_mul(v_load(rs), v_set1(scale));
             for (int g = 0; g < G; g++) {
@@ -1572,7 +1571,7 @@ static void attend_span(const float *q, const xq_kv *kc, const xq_kv *vc, const 
     for (int c = 0; c < nc; c++) {
         const int cnt = n - c * VW < VW ? n - c * VW : VW;
         for (int h = 0; h < Hkv; h++) {
-            feed_to(f, n + c * VW + VW * (h + 1) / Hkv + PF_DIST);
+            feed_to(f, n + c * VW + VW * (h + 1) / Hkv);
             const float *vr = chunk_rows(vc, tab, c0 + c * VW, cnt, bs, Hkv, h, D, buf, &stride, rs);
             pv_chunk(vr, stride, rs, sc[h * G] + c * VW, SPAN, cnt, o[h], D, G, D);
         }
@@ -1675,7 +1674,7 @@ static void attend_span_bf16(const uint16_t *qh, const uint16_t *ql, const xq_kv
         for (int h = 0; h < Hkv; h++)
             for (int g = 0; g < G; g++) {
                 const size_t qo = ((size_t)h * G + g) * D;
-                feed_to(f, c * VW + VW * (h * G + g + 1) / calls + PF_DIST);
+                feed_to(f, c * VW + VW * (h * G + g + 1) / calls);
                 __m512bh qhv[4], qlv[4];
                 for (int i = 0; i < KD; i++)
                     qhv[i] = (__m512bh)_mm512_loadu_si512(qh + qo + 32 * i), qlv[i] = (__m512bh)_mm512_loadu_si512(ql + qo + 32 * i);
@@ -1692,7 +1691,7 @@ static void attend_span_bf16(const uint16_t *qh, const uint16_t *ql, const xq_kv
         for (int h = 0; h < Hkv; h++)
             for (int g0 = 0; g0 < G; g0 += 4)
                 for (int i0 = 0; i0 < D; i0 += 64) {
-                    feed_to(f, n + c * VW + VW * ++k / pcalls + PF_DIST);
+                    feed_to(f, n + c * VW + VW * ++k / pcalls);
                     const int gn = G - g0 < 4 ? G - g0 : 4;
                     const uint16_t *hp = ph[h * G + g0] + c * VW, *lp = pl[h * G + g0] + c * VW, *vh = vb + (size_t)h * D;
                     float *og = o[h] + (size_t)g0 * D;
@@ -1704,7 +1703,7 @@ static void attend_span_bf16(const uint16_t *qh, const uint16_t *ql, const xq_kv
                     }
                 }
     }
-    feed_to(f, 2 * n + PF_DIST);
+    feed_to(f, 2 * n);
 }
 #endif
 
@@ -1731,9 +1730,10 @@ static void attend_range(const float *q, const xq_kv *kc, const xq_kv *vc, const
         const int32_t *nx = c0 + SPAN < t1 ? tab : ntab;
         const int a0 = c0 + SPAN < t1 ? c0 + SPAN : nt0, a1 = c0 + SPAN < t1 ? t1 : nt1;
         const int nn = nx && a1 > a0 ? (a1 - a0 < SPAN ? a1 - a0 : SPAN) : 0;
-        row_feed f = {kc->data, vc->data, tab, nx, c0, n, a0, nn, bs, Hkv * D * kv_elem_bytes(kc->kind), 0};
-        if (kc->warm || !f.row) f.pos = 2 * n, f.nn = 0;  // all fetched during the matmul before; turbo: not fetched
-        else if (c0 > t0) f.pos = n < PF_DIST ? n : PF_DIST;  // the span before fetched them
+        const int row = Hkv * D * kv_elem_bytes(kc->kind), ahead = row ? PF_AHEAD / row : 0;
+        row_feed f = {kc->data, vc->data, tab, nx, c0, n, a0, nn, bs, row, ahead < 8 ? 8 : ahead, 0};
+        if (kc->warm || !row) f.pos = 2 * n, f.nn = 0;  // all fetched during the matmul before; turbo: not fetched
+        else if (c0 > t0) f.pos = n < f.ahead ? n : f.ahead;  // the span before fetched them
 #if defined(__AVX512BF16__)
         if (on_dp) {
             attend_span_bf16(qh, ql, kc, vc, tab, c0, n, G, Hkv, D, bs, scale, softcap, o, mx, sum, &f);
