@@ -1513,14 +1513,6 @@ static void span_softmax(float *sc, int n, int Hkv, int G, int D, float softcap,
         }
 }
 
-// Decode attention straight from the paged KV cache (no gather): one query row per sequence.
-// Every KV head's G query heads qh over the n <= SPAN tokens c0 .. c0 + n - 1 (tab: the sequence's
-// block table). All the span's scores first (each chunk of VW tokens out of one v_sums, its K rows
-// read once for the G heads), then one online-softmax update per query head over the span (vector
-// max and exp), then P.V with each V row read once for the G heads. softcap > 0: scores = softcap
-// * tanh(scores / softcap). o[h] [G, D] stays unnormalized, with each head's running max and sum of
-// exponentials in mx[h] and sum[h]. A chunk's tokens hold all their heads side by side ([bs, Hkv, D]
-// blocks), so the heads are inner: each block is read from memory in one sweep.
 // The rows a span reads, in the order it reads them (its keys, its values, then the next span's
 // first keys), fetched toward L2 a few at a time as it computes, ~PF_AHEAD bytes ahead of its reads.
 // Fetches issued in bursts (a chunk's or a span's rows at once, as before) fill the core's miss
@@ -1547,6 +1539,14 @@ static inline void feed_to(row_feed *f, int upto) {
     }
 }
 
+// Decode attention straight from the paged KV cache (no gather): one query row per sequence.
+// Every KV head's G query heads qh over the n <= SPAN tokens c0 .. c0 + n - 1 (tab: the sequence's
+// block table). All the span's scores first (each chunk of VW tokens out of one v_sums, its K rows
+// read once for the G heads), then one online-softmax update per query head over the span (vector
+// max and exp), then P.V with each V row read once for the G heads. softcap > 0: scores = softcap
+// * tanh(scores / softcap). o[h] [G, D] stays unnormalized, with each head's running max and sum of
+// exponentials in mx[h] and sum[h]. A chunk's tokens hold all their heads side by side ([bs, Hkv, D]
+// blocks), so the heads are inner: each block is read from memory in one sweep.
 static void attend_span(const float *q, const xq_kv *kc, const xq_kv *vc, const int32_t *tab, int c0, int n, int G,
                         int Hkv, int D, int bs, float scale, float softcap, float *const *o, float *const *mx,
                         float *const *sum, row_feed *f) {
@@ -1730,8 +1730,9 @@ static void attend_range(const float *q, const xq_kv *kc, const xq_kv *vc, const
         const int32_t *nx = c0 + SPAN < t1 ? tab : ntab;
         const int a0 = c0 + SPAN < t1 ? c0 + SPAN : nt0, a1 = c0 + SPAN < t1 ? t1 : nt1;
         const int nn = nx && a1 > a0 ? (a1 - a0 < SPAN ? a1 - a0 : SPAN) : 0;
-        const int row = kc->kind == KV_TURBO ? Hkv * D * kc->bits / 8 : Hkv * D * kv_elem_bytes(kc->kind), ahead = row ? PF_AHEAD / row : 0;
-        row_feed f = {kc->data, vc->data, tab, nx, c0, n, a0, nn, bs, row, ahead < 8 ? 8 : ahead, 0};
+        const int row = kc->kind == KV_TURBO ? Hkv * D * kc->bits / 8 : Hkv * D * kv_elem_bytes(kc->kind);
+        const int ahead = row && PF_AHEAD / row > 8 ? PF_AHEAD / row : 8;
+        row_feed f = {kc->data, vc->data, tab, nx, c0, n, a0, nn, bs, row, ahead, 0};
         if (kc->warm || !row) f.pos = 2 * n, f.nn = 0;  // all fetched during the matmul before
         else if (c0 > t0) f.pos = n < f.ahead ? n : f.ahead;  // the span before fetched them
 #if defined(__AVX512BF16__)
