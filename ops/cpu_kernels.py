@@ -51,12 +51,18 @@ def lib():
     """The compiled kernels, or None (logged once) where they cannot be built here."""
     if platform.machine() not in ("x86_64", "AMD64") or not envs.cpu_kernels():
         return None
+    return load(SRC)
+
+
+def load(src: Path):
+    """The kernels built from this source (ops/cpu_kernels.c, or another version of it: `xinfer-bench
+    attention --baseline-kernels` times two side by side), or None where they cannot be built."""
     cc = envs.c_compiler() or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         log.info("no C compiler: the CPU kernels are off")
         return None
     try:
-        so = _build(cc)
+        so = _build(cc, Path(src))
     except OSError as e:  # an unwritable cache folder, a mount that refuses to map code, ...
         log.info("the CPU kernels could not be built or loaded (%s): torch paths only", e)
         return None
@@ -80,11 +86,11 @@ def lib():
     return so
 
 
-def _build(cc: str):
+def _build(cc: str, src: Path):
     """Compile (once per source, compiler and CPU) and load the kernels; None if gcc refuses."""
     torch_lib = Path(torch.__file__).parent / "lib"
     march = envs.cpu_march() or (cpu_isa.MARCH.get(cpu_isa.level(), "native") if envs.cpu_isa() else "native")
-    key = hashlib.sha256(SRC.read_bytes() + cc.encode() + _cpu_id().encode() + str(torch_lib).encode()
+    key = hashlib.sha256(src.read_bytes() + cc.encode() + _cpu_id().encode() + str(torch_lib).encode()
                          + march.encode()).hexdigest()[:16]
     out = _cache_dir() / f"cpu_kernels-{key}.so"
     if not out.exists():
@@ -94,7 +100,7 @@ def _build(cc: str):
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             tmp_out = Path(tmp) / out.name
             # -ffp-contract=off: elementwise kernels round each step as torch does (no fused a*b+c)
-            cmd = [cc, "-O3", f"-march={march}", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", str(SRC), "-o",
+            cmd = [cc, "-O3", f"-march={march}", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", str(src), "-o",
                    str(tmp_out)] + gomp
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:

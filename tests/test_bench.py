@@ -560,3 +560,9 @@ def test_attention_command(tmp_path):
                      "--kvcache-dtype", "bf16", "--output", str(out)]) == 0
     got = json.loads(out.read_text())
     assert got["prefill"] and got["rows"][0]["torch_gflops"] > 0
+    if cpu_kernels.available():  # the current source as its own baseline: the build cache's copy, outputs equal
+        assert cli.main(["attention", "--batch", "2", "--context", "150", "--layers", "1", "--repeats", "1",
+                         "--kvcache-dtype", "bf16", "--baseline-kernels", str(cpu_kernels.SRC), "--output", str(out)]) == 0
+        row = json.loads(out.read_text())["rows"][0]
+        assert row["vs_baseline"] > 0 and row["max_diff_vs_baseline"] == 0.0
+    assert cli.main(["attention", "--baseline-kernels", str(tmp_path / "missing.c")]) == 2
