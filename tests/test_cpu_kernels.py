@@ -184,8 +184,9 @@ def test_paged_decode_matches_gather_sdpa(window, softcap):
     plain._c = None
     # decodes only, and decodes mixed with a prefill chunk (which takes the SDPA path in both); one or
     # two long sequences: each (sequence, KV head) split into position ranges, merged after (some
-    # empty under the window)
-    for lens, qlens in [([1, 7, 16, 33], [1, 1, 1, 1]), ([9, 20, 3], [1, 6, 1]), ([300], [1]), ([70], [1])]:
+    # empty under the window); several sequences of several spans, each fetching the next one's rows
+    for lens, qlens in [([1, 7, 16, 33], [1, 1, 1, 1]), ([9, 20, 3], [1, 6, 1]), ([300], [1]), ([70], [1]),
+                        ([150, 260, 140, 200], [1, 1, 1, 1])]:
         q, kc, vc, meta = _paged_case(len(lens), lens, qlens)
         q = torch.cat([q, torch.randn(q.shape[0], 2, q.shape[2])], 1)[:, :q.shape[1]]  # a view into a QKV output
         want = plain.forward(q, kc, vc, _plain_meta(meta), 0.125, window, softcap)
@@ -204,7 +205,7 @@ def test_paged_decode_bf16_dot_products(window, softcap, hq, hkv, d):
     head sizes 64 and 128, chunks off the vector width, long sequences split in ranges."""
     fused, plain = TorchBackend(), TorchBackend()
     plain._c = None
-    for lens in ([1, 7, 16, 33], [300], [70, 129]):
+    for lens in ([1, 7, 16, 33], [300], [70, 129], [150, 260, 140, 200]):
         q, kc, vc, meta = _paged_case(len(lens), lens, [1] * len(lens), hq=hq, hkv=hkv, d=d)
         q = torch.cat([q, torch.randn(q.shape[0], 2, d)], 1)[:, :hq]  # a view into a QKV output
         kc, vc = kc.bfloat16(), vc.bfloat16()
