@@ -1724,14 +1724,15 @@ static void attend_range(const float *q, const xq_kv *kc, const xq_kv *vc, const
 #else
     const int on_dp = 0;
 #endif
+    // the row feed's bytes a position and rows ahead, the same for every span of the range
+    const int row = kc->kind == KV_TURBO ? Hkv * D * kc->bits / 8 : Hkv * D * kv_elem_bytes(kc->kind);
+    const int ahead = row && PF_AHEAD / row > 8 ? PF_AHEAD / row : 8;
     for (int c0 = t0; c0 < t1; c0 += SPAN) {
         const int n = t1 - c0 < SPAN ? t1 - c0 : SPAN;
         // the span read next (this range's or the next one's), whose first keys this one fetches
         const int32_t *nx = c0 + SPAN < t1 ? tab : ntab;
         const int a0 = c0 + SPAN < t1 ? c0 + SPAN : nt0, a1 = c0 + SPAN < t1 ? t1 : nt1;
         const int nn = nx && a1 > a0 ? (a1 - a0 < SPAN ? a1 - a0 : SPAN) : 0;
-        const int row = kc->kind == KV_TURBO ? Hkv * D * kc->bits / 8 : Hkv * D * kv_elem_bytes(kc->kind);
-        const int ahead = row && PF_AHEAD / row > 8 ? PF_AHEAD / row : 8;
         row_feed f = {kc->data, vc->data, tab, nx, c0, n, a0, nn, bs, row, ahead, 0};
         if (kc->warm || !row) f.pos = 2 * n, f.nn = 0;  // all fetched during the matmul before
         else if (c0 > t0) f.pos = n < f.ahead ? n : f.ahead;  // the span before fetched them

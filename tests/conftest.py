@@ -1,4 +1,5 @@
 import os
+import random
 
 # Triton kernels run on the CPU through the interpreter; it must be chosen before triton loads.
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -100,7 +101,6 @@ def free_port(n: int = 1) -> int:
     """A port P with P .. P + n - 1 free (a cluster's master port and the one after it), drawn below
     the kernel's ephemeral range: an outgoing connection elsewhere in the suite can take a port from
     that range between this check and the server's bind, never one below it."""
-    import random
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             low = int(f.read().split()[0])
