@@ -2291,8 +2291,14 @@ static void rope_rows(float *x, int64_t stride, int H, int D, int rot, const flo
 
 void xinfer_rope(float *q, float *k, const float *cos, const float *sin, const int64_t *pos, int T, int Hq, int Hk,
                  int D, int rot, int64_t q_stride, int64_t k_stride) {
-    rope_rows(q, q_stride, Hq, D, rot, cos, sin, pos, T);
-    rope_rows(k, k_stride, Hk, D, rot, cos, sin, pos, T);
+    // a prompt's rows split among the threads: alone, the rest of the team waited (~2% of a prefill step)
+#pragma omp parallel if (T >= 64)
+    {
+        const int nt = omp_get_num_threads(), id = omp_get_thread_num();
+        const int t0 = (int)((int64_t)T * id / nt), t1 = (int)((int64_t)T * (id + 1) / nt);
+        rope_rows(q + (size_t)t0 * q_stride, q_stride, Hq, D, rot, cos, sin, pos + t0, t1 - t0);
+        rope_rows(k + (size_t)t0 * k_stride, k_stride, Hk, D, rot, cos, sin, pos + t0, t1 - t0);
+    }
 }
 
 // ---- One decode step of a Llama-shaped decoder, every layer in one call ----

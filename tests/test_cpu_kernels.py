@@ -288,12 +288,13 @@ def test_fused_rmsnorm_with_residual(offset):
     torch.testing.assert_close(out0, norm(x.clone()), rtol=0, atol=0)
 
 
-def test_rope_in_place_matches_torch():
+@pytest.mark.parametrize("T", [7, 150])  # 150: a prompt's rows, split among the threads
+def test_rope_in_place_matches_torch(T):
     rope = RotaryEmbedding(64, 128, 10000.0)
-    qkv = torch.randn(7, (4 + 2 + 2) * 64)
+    qkv = torch.randn(T, (4 + 2 + 2) * 64)
     q, k, _ = qkv.split([4 * 64, 2 * 64, 2 * 64], -1)
-    q, k = q.view(7, 4, 64), k.view(7, 2, 64)
-    pos = torch.tensor([0, 1, 2, 50, 51, 90, 127])
+    q, k = q.view(T, 4, 64), k.view(T, 2, 64)
+    pos = torch.tensor([0, 1, 2, 50, 51, 90, 127]) if T == 7 else torch.randint(0, 128, (T,))
     cos, sin = rope.cos[pos].unsqueeze(1), rope.sin[pos].unsqueeze(1)
     want_q, want_k = _apply(q.clone(), cos, sin, 64), _apply(k.clone(), cos, sin, 64)
     got_q, got_k = rope(pos, q, k)
