@@ -144,6 +144,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     o.add_argument("--result-name", default=None)
     o.add_argument("--no-plots", dest="plots", action="store_false")
     o.add_argument("--quiet", action="store_true")
+    o.add_argument("--baseline-kernels", default=None, metavar="OLD.c",
+                   help="time whole runs on the kernels built from another version of ops/cpu_kernels.c (e.g. "
+                        "`git show REV:ops/cpu_kernels.c > OLD.c`) against the current ones, alternated (--worker inproc)")
+    o.add_argument("--rounds", type=int, default=3, help="with --baseline-kernels: runs of each build")
     o.add_argument("--profile", action="store_true",
                    help="after the table, where the time went: the host's functions (cProfile) and, on CUDA "
                         "in-process, a decode step's GPU time and kernels (bench/probe.py)")

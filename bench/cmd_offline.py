@@ -1,4 +1,9 @@
-"""`xinfer-bench offline`: in-process Engine throughput on random token ids, no HTTP."""
+"""`xinfer-bench offline`: in-process Engine throughput on random token ids, no HTTP.
+
+`--baseline-kernels OLD.c` times whole runs (prefill and decode steps) on the kernels built from another
+version of ops/cpu_kernels.c against the current ones, alternated in one process over `--rounds`, each
+run on fresh prompts of the same lengths (the prefix cache would skip the repeats). The weights' panels
+are built once, by the current kernels: a baseline that lays them out differently is not comparable."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,23 +26,9 @@ def run(args) -> int:
     engine = Engine(engine_config(args), worker=args.worker, log_level="warning")  # --seed seeds the prompts too
     t_load = time.perf_counter() - t_load
     rng = random.Random(args.seed)
-    hi = min(engine.vocab_size, 10000)
-    limit = engine.max_model_len
-    prompts, outs = [], []
-    if args.batch:
-        n_in = min(args.input_len, limit - 1)
-        prompt = [rng.randint(0, hi - 1) for _ in range(n_in)]
-        n_out = min(args.max_tokens, limit - n_in)
-        if n_out < args.max_tokens:
-            print(f"xinfer-bench: --max-tokens {args.max_tokens} clipped to {n_out} to fit max_model_len {limit}",
-                  file=sys.stderr)
-        prompts, outs = [list(prompt) for _ in range(args.batch)], [n_out] * args.batch
-    else:
-        for _ in range(args.num_seqs):
-            n_in = min(rng.randint(args.min_input_len, args.max_input_len), limit - 1)
-            n_out = min(rng.randint(args.min_output_len, args.max_output_len), limit - n_in)
-            prompts.append([rng.randint(0, hi - 1) for _ in range(n_in)])
-            outs.append(n_out)
+    if args.baseline_kernels:
+        return _against_baseline(args, engine, rng)
+    prompts, outs = _workload(args, engine, rng)
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n, seed=args.seed + i)
               for i, n in enumerate(outs)]
     engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
@@ -107,5 +98,74 @@ def run(args) -> int:
         files.append(plots.throughput_over_time(r, str(out / f"{stem}-throughput.png"),
                                                 f"offline: {engine.info.name}, {len(prompts)} sequences"))
     print("wrote " + ", ".join(map(str, files)))
+    engine.close()
+    return 0
+
+
+def _workload(args, engine, rng: random.Random) -> tuple[list[list[int]], list[int]]:
+    """The prompts (random token ids) and each one's output length."""
+    hi = min(engine.vocab_size, 10000)
+    limit = engine.max_model_len
+    prompts, outs = [], []
+    if args.batch:
+        n_in = min(args.input_len, limit - 1)
+        prompt = [rng.randint(0, hi - 1) for _ in range(n_in)]
+        n_out = min(args.max_tokens, limit - n_in)
+        if n_out < args.max_tokens:
+            print(f"xinfer-bench: --max-tokens {args.max_tokens} clipped to {n_out} to fit max_model_len {limit}",
+                  file=sys.stderr)
+        prompts, outs = [list(prompt) for _ in range(args.batch)], [n_out] * args.batch
+    else:
+        for _ in range(args.num_seqs):
+            n_in = min(rng.randint(args.min_input_len, args.max_input_len), limit - 1)
+            n_out = min(rng.randint(args.min_output_len, args.max_output_len), limit - n_in)
+            prompts.append([rng.randint(0, hi - 1) for _ in range(n_in)])
+            outs.append(n_out)
+    return prompts, outs
+
+
+def _against_baseline(args, engine, rng: random.Random) -> int:
+    from ops import cpu_kernels
+    from xinfer import SamplingParams
+    src = Path(args.baseline_kernels)
+    so = cpu_kernels.load(src) if src.is_file() else None
+    backend = getattr(engine.runner, "backend", None)
+    if so is None or cpu_kernels.lib() is None or backend is None:
+        print(f"--baseline-kernels {src}: needs a C source that builds here and --worker inproc", file=sys.stderr)
+        return 2
+    builds = {"current": cpu_kernels.lib(), "baseline": so}
+    engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in builds}
+    prompts, outs = _workload(args, engine, rng)
+    try:
+        for r in range(args.rounds):
+            for name in (("current", "baseline") if r % 2 == 0 else ("baseline", "current")):
+                cpu_kernels.swap(builds[name])
+                backend._c = builds[name]
+                fresh = [[rng.randrange(min(engine.vocab_size, 10000)) for _ in p] for p in prompts]
+                params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n, seed=args.seed + i)
+                          for i, n in enumerate(outs)]
+                t = time.perf_counter()
+                engine.generate(fresh, params)
+                times[name].append(time.perf_counter() - t)
+                if not args.quiet:
+                    print(f"round {r + 1}/{args.rounds} {name}: {times[name][-1]:.3f} s", file=sys.stderr)
+    finally:
+        cpu_kernels.swap(None)
+        backend._c = builds["current"]
+    best = {name: min(v) for name, v in times.items()}
+    med = {name: sorted(v)[len(v) // 2] for name, v in times.items()}
+    r = {"mode": "offline-kernels", "date": now_iso(), "machine": machine_info(), "commit": git_commit(),
+         "baseline_kernels": str(src), "num_seqs": len(prompts), "prompt_tokens": sum(map(len, prompts)),
+         "output_tokens": sum(outs), "seconds": times, "best": best, "median": med,
+         "speedup_best": round(best["baseline"] / best["current"], 3),
+         "speedup_median": round(med["baseline"] / med["current"], 3)}
+    print(f"{len(prompts)} sequences, {r['prompt_tokens']} prompt + {r['output_tokens']} generated tokens a run, "
+          f"{args.rounds} rounds alternated: current {best['current']:.3f} s best ({med['current']:.3f} median), "
+          f"baseline {best['baseline']:.3f} s ({med['baseline']:.3f}): {r['speedup_best']}x best, "
+          f"{r['speedup_median']}x median")
+    out = Path(args.output_dir) / f"{stem_of(args, 'offline-kernels')}.json"
+    write_json(out, r)
+    print(f"wrote {out}")
     engine.close()
     return 0

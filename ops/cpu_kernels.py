@@ -46,12 +46,26 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
-@functools.cache
+_swapped = None  # another build in place of these (swap: `xinfer-bench offline --baseline-kernels`)
+
+
 def lib():
     """The compiled kernels, or None (logged once) where they cannot be built here."""
+    return _swapped if _swapped is not None else _shipped()
+
+
+@functools.cache
+def _shipped():
     if platform.machine() not in ("x86_64", "AMD64") or not envs.cpu_kernels():
         return None
     return load(SRC)
+
+
+def swap(so) -> None:
+    """Every later lib() call gets `so` (a load() of another source; None: the shipped kernels
+    again). Objects that keep the library they were made with (TorchBackend._c) are the caller's."""
+    global _swapped
+    _swapped = so
 
 
 def load(src: Path):

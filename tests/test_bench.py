@@ -500,6 +500,24 @@ def test_offline_on_tiny_model(tiny_llama_path, tmp_path):
     assert r["input_lens"] == [8] * 3 and r["output_lens"] == [12] * 3
 
 
+def test_offline_against_baseline_kernels(tiny_llama_path, tmp_path):
+    """Whole runs alternated between two kernel builds (here the current source as its own baseline);
+    the shipped kernels are back in place afterwards."""
+    from ops import cpu_kernels
+    args = ["offline", "--m", tiny_llama_path, "--num-seqs", "3", "--min-input-len", "4", "--max-input-len", "9",
+            "--min-output-len", "2", "--max-output-len", "4", "--max-model-len", "64", "--kv-cache-gb", "0.01",
+            "--output-dir", str(tmp_path), "--result-name", "ab", "--quiet", "--rounds", "2"]
+    assert cli.main(args + ["--baseline-kernels", str(tmp_path / "missing.c")]) == 2
+    if not cpu_kernels.available():
+        return
+    shipped = cpu_kernels.lib()
+    assert cli.main(args + ["--baseline-kernels", str(cpu_kernels.SRC)]) == 0
+    r = json.loads((tmp_path / "ab.json").read_text())
+    assert r["mode"] == "offline-kernels" and len(r["seconds"]["current"]) == len(r["seconds"]["baseline"]) == 2
+    assert r["speedup_best"] > 0 and r["output_tokens"] > 0
+    assert cpu_kernels.lib() is shipped
+
+
 def test_models_sweep_end_to_end(tiny_llama_path, tmp_path):
     """`xinfer-bench models` on two tiny models: a chat model whose template reads enable_thinking
     (both answers, flagged: random weights repeat themselves) and a dummy-weights one (timing only)."""
