@@ -137,14 +137,15 @@ def _against_baseline(args, engine, rng: random.Random) -> int:
     engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     times: dict[str, list[float]] = {name: [] for name in builds}
     prompts, outs = _workload(args, engine, rng)
+    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n, seed=args.seed + i)
+              for i, n in enumerate(outs)]
+    hi = min(engine.vocab_size, 10000)
     try:
         for r in range(args.rounds):
             for name in (("current", "baseline") if r % 2 == 0 else ("baseline", "current")):
                 cpu_kernels.swap(builds[name])
                 backend._c = builds[name]
-                fresh = [[rng.randrange(min(engine.vocab_size, 10000)) for _ in p] for p in prompts]
-                params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n, seed=args.seed + i)
-                          for i, n in enumerate(outs)]
+                fresh = [[rng.randrange(hi) for _ in p] for p in prompts]
                 t = time.perf_counter()
                 engine.generate(fresh, params)
                 times[name].append(time.perf_counter() - t)
