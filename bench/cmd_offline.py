@@ -102,14 +102,19 @@ def run(args) -> int:
     return 0
 
 
+def _ids(engine, rng: random.Random, n: int) -> list[int]:
+    """n random token ids, from the vocabulary's first 10,000."""
+    hi = min(engine.vocab_size, 10000)
+    return [rng.randint(0, hi - 1) for _ in range(n)]
+
+
 def _workload(args, engine, rng: random.Random) -> tuple[list[list[int]], list[int]]:
     """The prompts (random token ids) and each one's output length."""
-    hi = min(engine.vocab_size, 10000)
     limit = engine.max_model_len
     prompts, outs = [], []
     if args.batch:
         n_in = min(args.input_len, limit - 1)
-        prompt = [rng.randint(0, hi - 1) for _ in range(n_in)]
+        prompt = _ids(engine, rng, n_in)
         n_out = min(args.max_tokens, limit - n_in)
         if n_out < args.max_tokens:
             print(f"xinfer-bench: --max-tokens {args.max_tokens} clipped to {n_out} to fit max_model_len {limit}",
@@ -119,7 +124,7 @@ def _workload(args, engine, rng: random.Random) -> tuple[list[list[int]], list[i
         for _ in range(args.num_seqs):
             n_in = min(rng.randint(args.min_input_len, args.max_input_len), limit - 1)
             n_out = min(rng.randint(args.min_output_len, args.max_output_len), limit - n_in)
-            prompts.append([rng.randint(0, hi - 1) for _ in range(n_in)])
+            prompts.append(_ids(engine, rng, n_in))
             outs.append(n_out)
     return prompts, outs
 
@@ -139,13 +144,12 @@ def _against_baseline(args, engine, rng: random.Random) -> int:
     prompts, outs = _workload(args, engine, rng)
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n, seed=args.seed + i)
               for i, n in enumerate(outs)]
-    hi = min(engine.vocab_size, 10000)
     try:
         for r in range(args.rounds):
             for name in (("current", "baseline") if r % 2 == 0 else ("baseline", "current")):
                 cpu_kernels.swap(builds[name])
                 backend._c = builds[name]
-                fresh = [[rng.randrange(hi) for _ in p] for p in prompts]
+                fresh = [_ids(engine, rng, len(p)) for p in prompts]
                 t = time.perf_counter()
                 engine.generate(fresh, params)
                 times[name].append(time.perf_counter() - t)
