@@ -63,7 +63,7 @@ def bounded(path: str, body):
         for k in caps:
             if isinstance(body.get(k), int) and body[k] > 8:
                 body[k] = 8
-        if path in _CAPS and not any(k in body for k in caps):
+        if path in _CAPS and all(body.get(k) is None for k in caps):  # null is no cap, as left out
             body[_CAPS[path]] = 8
     return body
 

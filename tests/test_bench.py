@@ -584,3 +584,12 @@ def test_attention_command(tmp_path):
         row = json.loads(out.read_text())["rows"][0]
         assert row["vs_baseline"] > 0 and row["max_diff_vs_baseline"] == 0.0
     assert cli.main(["attention", "--baseline-kernels", str(tmp_path / "missing.c")]) == 2
+
+
+def test_fuzz_bodies_are_capped_where_null_or_absent():
+    from bench.fuzz import bounded
+    assert bounded("/v1/responses", {"max_output_tokens": None})["max_output_tokens"] == 8  # null: no cap
+    assert bounded("/v1/chat/completions", {})["max_tokens"] == 8
+    assert bounded("/v1/chat/completions", {"max_tokens": 500})["max_tokens"] == 8
+    assert bounded("/v1/responses", {"max_output_tokens": "x"}) == {"max_output_tokens": "x"}  # bad input kept
+    assert bounded("/v1/embeddings", {"input": "a"}) == {"input": "a"}
