@@ -82,6 +82,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     c.add_argument("--target-model", action="append", default=[], metavar="NAME=MODEL",
                    help="model name to send to a target (default: the first of its /v1/models)")
     c.add_argument("--repeats", type=int, default=1, help="rounds; each round runs every target in turn")
+    c.add_argument("--serve", action="append", default=[], metavar="NAME=COMMAND",
+                   help="start this target's server (a shell command) for each of its runs and stop it after, "
+                        "so each server runs alone (servers in turn); without it the target must be up")
+    c.add_argument("--serve-timeout", type=float, default=600.0,
+                   help="seconds a --serve command may take until its /models answers")
     add_load_args(c, url=False)
     c.set_defaults(func=cmd_compare.run)
 

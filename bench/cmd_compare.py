@@ -3,6 +3,11 @@ to the first."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 from bench import load, stats
@@ -26,30 +31,82 @@ def run(args) -> int:
     if len({n for n, _ in targets}) != len(targets):
         raise SystemExit("xinfer-bench: --target names must differ")
     models = dict(m.partition("=")[::2] for m in args.target_model)
-    return asyncio.run(_compare(args, targets, models, text_maker(args)))
+    serve = dict(c.partition("=")[::2] for c in args.serve)
+    unknown = set(serve) - {n for n, _ in targets}
+    if unknown or not all(serve.values()):
+        raise SystemExit(f"xinfer-bench: --serve takes NAME=COMMAND for a --target's NAME, got {args.serve!r}")
+    return asyncio.run(_compare(args, targets, models, serve, text_maker(args)))
 
 
-async def _compare(args, targets, models, maker) -> int:
-    resolved = [(n, u, await resolve_model(u, models.get(n))) for n, u in targets]
+async def _start(name: str, cmd: str, url: str, log: Path, timeout: float) -> subprocess.Popen:
+    """Run a target's serve command in its own process group and wait until its /models answers."""
+    print(f"xinfer-bench: starting {name}: {cmd}", file=sys.stderr)
+    with open(log, "ab") as f:
+        proc = subprocess.Popen(cmd, shell=True, start_new_session=True, stdout=f, stderr=subprocess.STDOUT)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise SystemExit(f"xinfer-bench: {name}'s serve command exited ({proc.returncode}) before serving; "
+                             f"see {log}")
+        try:
+            await load.first_model(url)
+            print(f"xinfer-bench: {name} up in {time.monotonic() - t0:.0f} s", file=sys.stderr)
+            return proc
+        except Exception:  # noqa: BLE001 - not up yet
+            await asyncio.sleep(1.0)
+    _stop(proc)
+    raise SystemExit(f"xinfer-bench: {name} did not answer {url}/models within {timeout:g} s; see {log}")
+
+
+def _stop(proc: subprocess.Popen | None) -> None:
+    """SIGTERM to the serve command's whole process group, SIGKILL what is left after 60 s."""
+    if proc is None:
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            proc.poll()  # reaps the leader, so an empty group reads as gone
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+
+
+async def _compare(args, targets, models, serve, maker) -> int:
+    # targets with a serve command are up only for their own runs (the others must be up already)
+    resolved = {n: (models.get(n) if n in serve else await resolve_model(u, models.get(n))) for n, u in targets}
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict]] = {n: [] for n, _ in targets}
     for rep in range(args.repeats):  # interleaved: round r runs every target once, in order
         # Each round sends fresh prompts (seed + round): a round must not hit the prefix cache that
         # the previous one filled. Within a round every target gets the same prompts.
         round_args = with_seed(args, args.seed + rep)
-        for name, url, model in resolved:
-            source = make_source(round_args, maker)
-            cfg = load_config(args, url, model)
-            label = f"{name} ({rep + 1}/{args.repeats}) " if args.repeats > 1 else f"{name} "
-            pid, peak = server_pid(url), []
+        for name, url in targets:
+            proc = await _start(name, serve[name], url, out / f"serve-{name}.log", args.serve_timeout) \
+                if name in serve else None
+            try:
+                resolved[name] = resolved[name] or await resolve_model(url, None)
+                source = make_source(round_args, maker)
+                cfg = load_config(args, url, resolved[name])
+                label = f"{name} ({rep + 1}/{args.repeats}) " if args.repeats > 1 else f"{name} "
+                pid, peak = server_pid(url), []
 
-            async def sampler(pid=pid, peak=peak):
-                while True:
-                    rss = load.tree_rss(pid)
-                    if rss is not None:
-                        peak.append(rss)
-                    await asyncio.sleep(1.0)
+                async def sampler(pid=pid, peak=peak):
+                    while True:
+                        rss = load.tree_rss(pid)
+                        if rss is not None:
+                            peak.append(rss)
+                        await asyncio.sleep(1.0)
 
-            r = await measure(round_args, cfg, source, maker, label=label, sampler=sampler if pid else None)
+                r = await measure(round_args, cfg, source, maker, label=label, sampler=sampler if pid else None)
+            finally:
+                _stop(proc)
             r["mode"], r["target"], r["repeat"] = "serve", name, rep
             # the whole process tree's resident memory, at its highest under this load
             r["peak_rss_mb"] = max(peak) / 2**20 if peak else None
@@ -59,12 +116,11 @@ async def _compare(args, targets, models, maker) -> int:
     ratios = {n: {k: (s[k] / summaries[first][k] if s[k] is not None and summaries[first][k] else None)
                   for k in COMPARE_KEYS} for n, s in summaries.items()}
     print(compare_table([n for n, _ in targets], summaries, ratios))
-    out = Path(args.output_dir)
     stem = stem_of(args, "compare")
     result = {"mode": "compare", "scenario": args.scenario, "date": now_iso(),
               "machine": machine_info(), "commit": git_commit(), "repeats": args.repeats,
-              "targets": [{"name": n, "base_url": u, "model": m, "summary": summaries[n], "ratio": ratios[n],
-                           "runs": runs[n]} for n, u, m in resolved]}
+              "targets": [{"name": n, "base_url": u, "model": resolved[n], "serve": serve.get(n),
+                           "summary": summaries[n], "ratio": ratios[n], "runs": runs[n]} for n, u in targets]}
     write_json(out / f"{stem}.json", result)
     files = [out / f"{stem}.json"]
     if args.plots:

@@ -205,8 +205,8 @@ class FakeServer:
     """OpenAI-style routes over plain asyncio: /v1/models, /metrics, and chat/completions that
     stream max_tokens chunks ("tok ") with small sleeps, then usage and [DONE]."""
 
-    def __init__(self, first_s=0.02, gap_s=0.004, metrics=True):
-        self.first_s, self.gap_s, self.metrics = first_s, gap_s, metrics
+    def __init__(self, first_s=0.02, gap_s=0.004, metrics=True, port=0):
+        self.first_s, self.gap_s, self.metrics, self.port = first_s, gap_s, metrics, port
         self.requests = []
         self.hits = self.queries = 0
         self.loop = asyncio.new_event_loop()
@@ -218,7 +218,7 @@ class FakeServer:
 
     def _run(self):
         asyncio.set_event_loop(self.loop)
-        self.server = self.loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
+        self.server = self.loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", self.port))
         self.port = self.server.sockets[0].getsockname()[1]
         self.ready.set()
         self.loop.run_forever()
@@ -405,6 +405,35 @@ def test_compare_against_fake_servers(fake, tmp_path):
     sent = [t for t in sent if len(t.split()) == 32]  # not the (16-word) warm-ups
     assert len(sent) == 8 and len(set(sent)) == 8  # 4 prompts in round 1, 4 others in round 2
     assert slw["runs"][0]["server_metrics"] is None  # no /metrics there: handled
+
+
+def test_compare_starts_each_server_in_turn(tmp_path):
+    """--serve: a target's server runs only for its own runs, so the servers never share the machine."""
+    script, log = tmp_path / "fake_serve.py", tmp_path / "starts.txt"
+    script.write_text("import sys, time\n"
+                      f"sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))!r})\n"
+                      "from tests.test_bench import FakeServer\n"
+                      "open(sys.argv[3], 'a').write(sys.argv[1] + '\\n')\n"
+                      "FakeServer(port=int(sys.argv[2]))\n"
+                      "time.sleep(600)\n")
+    ports = {"a": free_port(), "b": free_port()}
+    args = ["compare", "--scenario", "cpu-smoke", "--num-requests", "2", "--tokenizer", "words", "--repeats", "2",
+            "--output-dir", str(tmp_path), "--result-name", "turn", "--no-plots", "--quiet"]
+    for n, port in ports.items():
+        args += ["--target", f"{n}=http://127.0.0.1:{port}/v1",
+                 "--serve", f"{n}={sys.executable} {script} {n} {port} {log}"]
+    assert cli.main(args) == 0
+    assert log.read_text().split() == ["a", "b", "a", "b"]  # started for each run, in the rounds' order
+    r, _ = read_result(tmp_path, "turn")
+    assert [t["summary"]["completed"] for t in r["targets"]] == [2, 2] and r["targets"][0]["serve"]
+    for port in ports.values():  # stopped after its runs
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+    with pytest.raises(SystemExit, match="exited"):
+        cli.main(["compare", "--target", f"a=http://127.0.0.1:{free_port()}/v1", "--serve", "a=exit 3",
+                  "--num-requests", "1", "--output-dir", str(tmp_path), "--quiet"])
+    with pytest.raises(SystemExit, match="NAME=COMMAND"):
+        cli.main(["compare", "--target", "a=http://127.0.0.1:1/v1", "--serve", "b=true", "--quiet"])
 
 
 def test_soak_against_fake_server(fake, tmp_path):
