@@ -38,8 +38,21 @@ def run(args) -> int:
     return asyncio.run(_compare(args, targets, models, serve, text_maker(args)))
 
 
+async def _ready(url: str) -> bool:
+    """/models answers and /health (xinfer, vLLM and llama-server have it) is not 5xx: xinfer's API and
+    llama-server list their model while it is still loading."""
+    import aiohttp
+    try:
+        await load.first_model(url)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
+            async with s.get(load.root_url(url) + "/health") as r:
+                return r.status < 500
+    except Exception:  # noqa: BLE001 - not up yet
+        return False
+
+
 async def _start(name: str, cmd: str, url: str, log: Path, timeout: float) -> subprocess.Popen:
-    """Run a target's serve command in its own process group and wait until its /models answers."""
+    """Run a target's serve command in its own process group and wait until it is ready (_ready)."""
     print(f"xinfer-bench: starting {name}: {cmd}", file=sys.stderr)
     with open(log, "ab") as f:
         proc = subprocess.Popen(cmd, shell=True, start_new_session=True, stdout=f, stderr=subprocess.STDOUT)
@@ -48,14 +61,24 @@ async def _start(name: str, cmd: str, url: str, log: Path, timeout: float) -> su
         if proc.poll() is not None:
             raise SystemExit(f"xinfer-bench: {name}'s serve command exited ({proc.returncode}) before serving; "
                              f"see {log}")
-        try:
-            await load.first_model(url)
+        if await _ready(url):
             print(f"xinfer-bench: {name} up in {time.monotonic() - t0:.0f} s", file=sys.stderr)
             return proc
-        except Exception:  # noqa: BLE001 - not up yet
-            await asyncio.sleep(1.0)
+        await asyncio.sleep(0.5)
     _stop(proc)
-    raise SystemExit(f"xinfer-bench: {name} did not answer {url}/models within {timeout:g} s; see {log}")
+    raise SystemExit(f"xinfer-bench: {name} was not ready at {url} within {timeout:g} s; see {log}")
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of the group still runs (zombies, dead and waiting for init, do not)."""
+    import psutil
+    for p in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                return True
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return False
 
 
 def _stop(proc: subprocess.Popen | None) -> None:
@@ -69,10 +92,8 @@ def _stop(proc: subprocess.Popen | None) -> None:
             return
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            proc.poll()  # reaps the leader, so an empty group reads as gone
-            try:
-                os.killpg(proc.pid, 0)
-            except ProcessLookupError:
+            proc.poll()  # reaps the leader
+            if not _group_alive(proc.pid):
                 return
             time.sleep(0.2)
 
