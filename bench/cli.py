@@ -86,7 +86,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                    help="start this target's server (a shell command) for each of its runs and stop it after, "
                         "so each server runs alone (servers in turn); without it the target must be up")
     c.add_argument("--serve-timeout", type=float, default=600.0,
-                   help="seconds a --serve command may take until its /models answers")
+                   help="seconds a --serve command may take to be ready (/models answers, /health not 5xx)")
     add_load_args(c, url=False)
     c.set_defaults(func=cmd_compare.run)
 

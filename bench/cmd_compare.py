@@ -53,12 +53,15 @@ async def _ready(url: str) -> bool:
 
 async def _start(name: str, cmd: str, url: str, log: Path, timeout: float) -> subprocess.Popen:
     """Run a target's serve command in its own process group and wait until it is ready (_ready)."""
+    if await _ready(url):  # the measured server would not be the one this command starts
+        raise SystemExit(f"xinfer-bench: a server already answers at {url}; stop it or leave out --serve {name}=...")
     print(f"xinfer-bench: starting {name}: {cmd}", file=sys.stderr)
     with open(log, "ab") as f:
         proc = subprocess.Popen(cmd, shell=True, start_new_session=True, stdout=f, stderr=subprocess.STDOUT)
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         if proc.poll() is not None:
+            _stop(proc)  # what it may have left running in its group
             raise SystemExit(f"xinfer-bench: {name}'s serve command exited ({proc.returncode}) before serving; "
                              f"see {log}")
         if await _ready(url):

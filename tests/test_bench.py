@@ -337,6 +337,13 @@ def test_compare_starts_each_server_in_turn(tmp_path):
     with pytest.raises(SystemExit, match="exited"):
         cli.main(["compare", "--target", f"a=http://127.0.0.1:{free_port()}/v1", "--serve", "a=exit 3",
                   "--num-requests", "1", "--output-dir", str(tmp_path), "--quiet"])
+    up = FakeServer()
+    try:
+        with pytest.raises(SystemExit, match="already answers"):  # it would measure another server
+            cli.main(["compare", "--target", f"a={up.url}", "--serve", "a=sleep 60", "--num-requests", "1",
+                      "--output-dir", str(tmp_path), "--quiet"])
+    finally:
+        up.close()
     with pytest.raises(SystemExit, match="NAME=COMMAND"):
         cli.main(["compare", "--target", "a=http://127.0.0.1:1/v1", "--serve", "b=true", "--quiet"])
 
