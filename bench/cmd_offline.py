@@ -20,7 +20,7 @@ from xinfer.cli import engine_config
 def run(args) -> int:
     import logging
     logging.basicConfig(level=logging.WARNING)
-    from xinfer import Engine, SamplingParams
+    from xinfer import Engine
 
     t_load = time.perf_counter()
     engine = Engine(engine_config(args), worker=args.worker, log_level="warning")  # --seed seeds the prompts too
@@ -29,9 +29,7 @@ def run(args) -> int:
     if args.baseline_kernels:
         return _against_baseline(args, engine, rng)
     prompts, outs = _workload(args, engine, rng)
-    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n, seed=args.seed + i)
-              for i, n in enumerate(outs)]
-    engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    params = _params_and_warm_up(args, engine, outs)
     recs: dict[int, stats.RequestRecord] = {}
     progress = load.Progress(len(prompts), None, "offline ", enabled=not args.quiet)
     t0 = time.perf_counter()
@@ -102,6 +100,15 @@ def run(args) -> int:
     return 0
 
 
+def _params_and_warm_up(args, engine, outs: list[int]) -> list:
+    """Each sequence's sampling parameters (its own seed); one short generation first, so the timed
+    runs do not pay the first step's set-up."""
+    from xinfer import SamplingParams
+    engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, ignore_eos=True))
+    return [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n, seed=args.seed + i)
+            for i, n in enumerate(outs)]
+
+
 def _ids(engine, rng: random.Random, n: int) -> list[int]:
     """n random token ids, from the vocabulary's first 10,000."""
     hi = min(engine.vocab_size, 10000)
@@ -131,7 +138,6 @@ def _workload(args, engine, rng: random.Random) -> tuple[list[list[int]], list[i
 
 def _against_baseline(args, engine, rng: random.Random) -> int:
     from ops import cpu_kernels
-    from xinfer import SamplingParams
     src = Path(args.baseline_kernels)
     so = cpu_kernels.load(src) if src.is_file() else None
     backend = getattr(engine.runner, "backend", None)
@@ -139,11 +145,9 @@ def _against_baseline(args, engine, rng: random.Random) -> int:
         print(f"--baseline-kernels {src}: needs a C source that builds here and --worker inproc", file=sys.stderr)
         return 2
     builds = {"current": cpu_kernels.lib(), "baseline": so}
-    engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     times: dict[str, list[float]] = {name: [] for name in builds}
     prompts, outs = _workload(args, engine, rng)
-    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n, seed=args.seed + i)
-              for i, n in enumerate(outs)]
+    params = _params_and_warm_up(args, engine, outs)
     try:
         for r in range(args.rounds):
             for name in (("current", "baseline") if r % 2 == 0 else ("baseline", "current")):

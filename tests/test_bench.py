@@ -1,11 +1,9 @@
 """xinfer-bench: statistics on recorded timings, the prompt generator, and the modes end to end
 against a tiny fake OpenAI-compatible server (plain asyncio, in a thread) and a real xinfer server."""
-import asyncio
 import json
 import os
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
