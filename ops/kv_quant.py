@@ -119,6 +119,16 @@ def store(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
     s.view(nb * bs, h).index_copy_(0, slots, sc)
 
 
+def copy(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy the rows at flat slots `src` to `dst`, as stored (scales too)."""
+    nb, bs, h, d = cache.shape
+    rows = cache.view(torch.uint8) if cache.dtype in FP8 else cache  # no float8 index kernels everywhere
+    rows.view(nb * bs, h, d).index_copy_(0, dst, rows.view(nb * bs, h, d)[src])
+    s = scales(cache)
+    if s is not None:
+        s.view(nb * bs, h).index_copy_(0, dst, s.view(nb * bs, h)[src])
+
+
 def gather(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The rows at `slots` (any shape of flat slots) as [*slots.shape, H, D] in dtype (turbo: rotated)."""
     nb, bs, h, d = cache.shape

@@ -195,6 +195,24 @@ def test_chat_logprobs_match_transformers(api, smollm_hf):
     assert got == pytest.approx([c.logprob for c in content], abs=1e-4)  # prefix-cache hit: other sums
 
 
+def test_prefix_hit_inside_a_block_matches_transformers(api, smollm_hf):
+    """Two chats with one system prompt: the second reuses every shared token, past its last whole
+    cached block too (the worker copies those slots), and its logprobs still match transformers."""
+    base, client, model = api
+    system = {"role": "system", "content": "You are Quill, a terse assistant of the lighthouse archive."}
+    chats = [[system, {"role": "user", "content": q}] for q in ("Name a color.", "Name a fruit.")]
+    client.chat.completions.create(model=model, messages=chats[0], max_tokens=2, temperature=0)
+    r = client.chat.completions.create(model=model, messages=chats[1], max_tokens=6, temperature=0, logprobs=True)
+    p = [call(base, "/tokenize", {"messages": c, "add_generation_prompt": True})[1]["tokens"] for c in chats]
+    shared = next(i for i, (a, b) in enumerate(zip(*p)) if a != b)
+    assert shared % 16 and r.usage.prompt_tokens_details.cached_tokens == shared
+    content = r.choices[0].logprobs.content
+    _, out = call(base, "/tokenize", {"prompt": "".join(c.token for c in content), "add_special_tokens": False})
+    ref = _reference_logprobs(smollm_hf, p[1] + out["tokens"])
+    for i, c in enumerate(content[:len(out["tokens"])]):
+        assert abs(c.logprob - ref[len(p[1]) - 1 + i].max().item()) < 1e-3
+
+
 # ---- tokenizer routes ----
 
 def test_tokenize_detokenize_and_tokenizer_info(api, smollm_path):

@@ -67,3 +67,24 @@ def test_shipped_dummy_configs_build(name):
 def test_bfloat16_runs(tiny_llama_path):
     e = Engine(EngineConfig(model=tiny_llama_path, num_kv_blocks=16, dtype="bfloat16"))
     assert len(e.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8", "turbo8"])
+def test_prefix_hit_inside_a_block_gives_the_same_tokens(tiny_llama_path, kv):
+    """The shared tokens past a prompt's last whole cached block are copied into its own block, scales
+    and all: its tokens and logprobs are those of a cache without reuse."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    first = [(7 * i + 3) % 120 + 2 for i in range(40)]
+    second = first[:21] + [11, 12, 13, 14]
+    outs = []
+    for reuse in (True, False):
+        e = Engine(EngineConfig(model=tiny_llama_path, num_kv_blocks=64, kvcache_dtype=kv,
+                                enable_prefix_cache=reuse))
+        e.generate([first], params)
+        outs.append(e.generate([second], params)[0])
+        e.blocks.check_integrity()
+        e.close()
+    got, want = outs
+    assert got.num_cached_tokens == 21 and want.num_cached_tokens == 0
+    assert got.token_ids == want.token_ids
+    assert [lp for lp, _ in got.logprobs] == pytest.approx([lp for lp, _ in want.logprobs], abs=1e-4)

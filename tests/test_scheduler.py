@@ -1,7 +1,7 @@
 """Block manager and scheduler invariants, without a model."""
 from xinfer.config import EngineConfig
 from xinfer.ipc.step import StepResult, pack_ids
-from xinfer.kv_cache import BlockManager
+from xinfer.kv_cache import MAX_CHILDREN, BlockManager, block_hash
 from xinfer.sampling_params import SamplingParams
 from xinfer.scheduler import Scheduler, Sequence
 
@@ -53,9 +53,46 @@ def test_prefix_cache_hit_and_last_block_recomputed():
     b = Sequence(2, "r2", list(a.prompt_ids), SamplingParams(), None, 2)
     s.add(b)
     plan = s.schedule()
-    # 12 tokens = 3 full blocks; all cached, but the last block is recomputed for logits
-    assert b.num_cached_tokens == 8
-    assert plan.new_seqs[0].num_computed == 8 and plan.scheduled[0].num_tokens == 4
+    # 12 tokens = 3 full blocks, all cached; the last token is recomputed for logits, in a copy of
+    # the last block's first three slots
+    assert b.num_cached_tokens == 11 and [x[2] for x in plan.kv_copies] == [3]
+    assert plan.new_seqs[0].num_computed == 11 and plan.scheduled[0].num_tokens == 1
+
+
+def test_prefix_cache_hit_inside_a_block_copies_its_slots():
+    """A prompt that shares a cached block's first tokens (a system prompt ending mid-block) reuses
+    them too: the plan has the worker copy those slots into the prompt's own block."""
+    s = make()
+    a = seq(1, 10)
+    s.add(a)
+    while a.status != "finished":
+        run_step(s)
+    b = Sequence(2, "r2", a.prompt_ids[:6] + [900, 901, 902], SamplingParams(), None, 2)
+    s.add(b)
+    plan = s.schedule()
+    assert b.num_cached_tokens == 6 and plan.new_seqs[0].num_computed == 6
+    src = s.bm.cached[block_hash(b.block_hashes[0], a.prompt_ids[4:8])]  # a's second block
+    assert plan.kv_copies == [(src, b.block_ids[1], 2)]
+    assert plan.scheduled[0].num_tokens == 3
+    s.bm.check_integrity()
+
+
+def test_partial_matches_forget_reused_blocks_and_keep_the_newest():
+    bm = BlockManager(40, 4)
+    bm.register(0, 11, None, [1, 2, 3, 4])
+    bm.register(1, 12, None, [1, 2, 9, 9])
+    assert bm.match_partial(None, [1, 2, 9]) == (1, 3) and bm.match_partial(None, [1, 2, 3, 5]) == (0, 3)
+    assert bm.match_partial(None, [7]) == (None, 0) and bm.match_partial(11, [1]) == (None, 0)
+    assert bm.allocate(1) == [0]  # its data is overwritten: no longer a match
+    assert bm.match_partial(None, [1, 2, 3]) == (1, 2)
+    for b in range(2, 2 + MAX_CHILDREN + 3):
+        bm.register(b, 100 + b, 12, [b, 0, 0, 0])
+    assert bm.match_partial(12, [2]) == (None, 0)  # the oldest children dropped past the cap
+    assert bm.match_partial(12, [b, 0]) == (b, 2) and bm.cached[102] == 2  # still a whole-block hit
+    bm.check_integrity()
+    bm.forget_cached()
+    assert bm.match_partial(None, [1, 2]) == (None, 0) and not bm.children
+    bm.check_integrity()
 
 
 def test_lru_eviction_keeps_integrity():

@@ -4,10 +4,18 @@ Blocks are reference counted. A full block of a sequence is registered under a h
 chained on its parent block's hash, so equal prefixes map to equal block chains. Blocks
 whose count drops to zero go to a free list in least-recently-used order; they keep
 their hash (and stay reusable) until the allocator takes them for new data.
+
+A prompt that goes on past its cached blocks into part of a cached block (a chat template's shared
+system prompt ending mid-block) reuses that part too: the newest cached children of the last matched
+block are kept with their tokens, and the scheduler has the worker copy the matching slots into the
+prompt's own next block (llama.cpp's server reuses a prompt at token granularity too).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+
+
+MAX_CHILDREN = 16  # cached continuations a block keeps for partial matches
 
 
 def block_hash(parent: int | None, tokens) -> int:
@@ -24,6 +32,9 @@ class BlockManager:
         self.ref = [0] * num_blocks
         self.hash_of: list[int | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # hash -> block id
+        # parent hash (None: a first block) -> {cached child block: its tokens}, oldest first, capped
+        self.children: dict[int | None, dict[int, tuple]] = {}
+        self.parent_of: dict[int, int | None] = {}
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
 
     @property
@@ -50,18 +61,43 @@ class BlockManager:
             parent = h
         return blocks, hashes
 
+    def match_partial(self, parent: int | None, tokens: list) -> tuple[int | None, int]:
+        """The cached block after `parent` whose first tokens match most of `tokens` (fewer than a
+        block): (block id, how many match), (None, 0) if none does. Takes no reference: the worker
+        copies its slots before the step's forward, and a step that could overwrite it comes later."""
+        best, most = None, 0
+        for b, toks in reversed(self.children.get(parent, {}).items()):
+            k = 0
+            for a, t in zip(toks, tokens):
+                if a != t:
+                    break
+                k += 1
+            if k > most:
+                best, most = b, k
+                if k == len(tokens):
+                    break
+        return best, most
+
     def acquire(self, blocks: list[int]) -> None:
         for b in blocks:
             if self.ref[b] == 0:
                 self.free.pop(b, None)
             self.ref[b] += 1
 
-    def register(self, block: int, h: int) -> None:
-        """Record a newly filled block under its hash (first writer wins on duplicates)."""
+    def register(self, block: int, h: int, parent: int | None = None, tokens=None) -> None:
+        """Record a newly filled block under its hash (first writer wins on duplicates), and with its
+        tokens (when given) among its parent's children for partial matches."""
         if not self.enable_prefix_cache or h in self.cached:
             return
         self.cached[h] = block
         self.hash_of[block] = h
+        if tokens is not None:
+            kids = self.children.setdefault(parent, {})
+            kids[block] = tuple(tokens)
+            self.parent_of[block] = parent
+            if len(kids) > MAX_CHILDREN:  # a popular prefix's many continuations: scan the newest only
+                old = next(iter(kids))
+                del kids[old], self.parent_of[old]
         self._enforce_cap()
 
     def _enforce_cap(self):
@@ -80,6 +116,12 @@ class BlockManager:
         if h is not None and self.cached.get(h) == b:
             del self.cached[h]
         self.hash_of[b] = None
+        if b in self.parent_of:
+            p = self.parent_of.pop(b)
+            kids = self.children[p]
+            del kids[b]
+            if not kids:
+                del self.children[p]
 
     # ---- allocation ----
     def allocate(self, n: int) -> list[int] | None:
@@ -109,6 +151,8 @@ class BlockManager:
         for b in range(self.num_blocks):
             self.hash_of[b] = None
         self.cached.clear()
+        self.children.clear()
+        self.parent_of.clear()
 
     def num_cached_blocks(self) -> int:
         return len(self.cached)
@@ -119,3 +163,6 @@ class BlockManager:
         assert set(self.free) == {b for b in range(self.num_blocks) if self.ref[b] == 0}
         for h, b in self.cached.items():
             assert self.hash_of[b] == h
+        for p, kids in self.children.items():
+            assert kids and all(self.hash_of[b] is not None and self.parent_of[b] == p for b in kids)
+        assert len(self.parent_of) == sum(len(k) for k in self.children.values())

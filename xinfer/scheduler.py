@@ -137,6 +137,7 @@ class Scheduler:
             chunk = self.config.prefill_chunk_alone or chunk
         scheduled: list[tuple[Sequence, int, list[int], int, bytes]] = []  # seq, tokens, blocks, drafts
         new_seqs: list[NewSeq] = []
+        copies: list[tuple[int, int, int]] = []  # a prefix-cache hit inside a block: (src, dst, slots)
         self.suspects = [s for s in self.suspects if s in self.running or s in self.waiting]
         alone = self.suspects[0] if self.suspects else None
         if alone is not None and alone.status == WAITING and self.waiting[0] is not alone:
@@ -190,8 +191,7 @@ class Scheduler:
             # Cached blocks have no logits or hidden states: a sequence that scores or embeds its prompt
             # computes it all (its blocks are still registered for the requests after it).
             matched = not seq.block_ids and seq.params.prompt_logprobs is None and not seq.params.embed
-            if matched:
-                self._match_prefix(seq)
+            partial = self._match_prefix(seq) if matched else None
             n = min(seq.num_tokens - seq.num_computed, chunk, budget)
             if seq.images:  # Gemma 3's images are computed in one chunk each
                 n = whole_images(seq.images, seq.num_computed, n)
@@ -201,6 +201,8 @@ class Scheduler:
                     self.bm.release(seq.block_ids)
                     seq.block_ids, seq.block_hashes, seq.num_computed = [], [], 0
                 break
+            if partial is not None:  # its next block starts with a cached block's first slots
+                copies.append((partial[0], seq.block_ids[len(seq.block_hashes)], partial[1]))
             self.waiting.popleft()
             seq.status = RUNNING
             if seq.scheduled_time is None:
@@ -221,7 +223,7 @@ class Scheduler:
         # hybrids: the recurrent-state snapshots this step restores and captures (xinfer/hybrid.py)
         states = {} if self.slots is None else self.slots.plan(scheduled, new_seqs, self.bm.block_size, self.bm.cached)
         plan = StepPlan(self._step, new_seqs, [Scheduled(s.seq_id, n, b, k, d) for s, n, b, k, d in scheduled],
-                        self._dropped, **states)
+                        self._dropped, kv_copies=copies, **states)
         self._dropped = []
         self._inflight.append(scheduled)
         return plan
@@ -255,19 +257,29 @@ class Scheduler:
             seq.block_ids.extend(got)
         return got
 
-    def _match_prefix(self, seq: Sequence) -> None:
-        blocks, hashes = self.bm.match_prefix(seq.cache_keys)
+    def _match_prefix(self, seq: Sequence) -> tuple[int, int] | None:
+        """Take the cached blocks `seq` starts with; returns (cached block, n) when its next n tokens
+        are that block's first n too (the worker copies them), else None."""
+        keys, bs = seq.cache_keys, self.bm.block_size
+        blocks, hashes = self.bm.match_prefix(keys)
         # Recompute at least the last token: its logits are what we sample from.
-        while blocks and len(blocks) * self.bm.block_size >= seq.num_tokens:
+        while blocks and len(blocks) * bs >= seq.num_tokens:
             blocks.pop(), hashes.pop()
         if self.slots is not None:  # a hybrid resumes from a recurrent-state snapshot: cut back to one
             k = self.slots.resume(seq.seq_id, hashes)
             blocks, hashes = blocks[:k], hashes[:k]
         self.bm.acquire(blocks)
         seq.block_ids, seq.block_hashes = list(blocks), list(hashes)
-        seq.num_computed = len(blocks) * self.bm.block_size
+        seq.num_computed = len(blocks) * bs
+        src, n = None, 0
+        # not for a hybrid (its snapshots are at block ends) nor images (a span is computed whole)
+        if self.bm.enable_prefix_cache and self.slots is None and not seq.images:
+            src, n = self.bm.match_partial(hashes[-1] if hashes else None,
+                                           keys[seq.num_computed:min(seq.num_computed + bs, seq.num_tokens - 1)])
+            seq.num_computed += n
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = seq.num_computed
+        return (src, n) if n else None
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -395,7 +407,8 @@ class Scheduler:
         for i in range(len(seq.block_hashes), full):
             toks = toks or seq.cache_keys
             h = block_hash(seq.block_hashes[-1] if seq.block_hashes else None, toks[i * bs:(i + 1) * bs])
-            self.bm.register(seq.block_ids[i], h)
+            self.bm.register(seq.block_ids[i], h, seq.block_hashes[-1] if seq.block_hashes else None,
+                             toks[i * bs:(i + 1) * bs])
             seq.block_hashes.append(h)
 
     def _release_children(self, parent: Sequence) -> None:

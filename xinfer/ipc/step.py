@@ -58,6 +58,9 @@ class StepPlan(msgspec.Struct, array_like=True, tag="plan"):
     # the snapshot slot (seq id, position, snapshot slot)
     state_restores: list[tuple[int, int]] = []
     state_snapshots: list[tuple[int, int, int]] = []
+    # A prefix-cache hit inside a block (xinfer/kv_cache.py): before the step, copy the first n slots
+    # of cached block src into the sequence's own block dst (src, dst, n)
+    kv_copies: list[tuple[int, int, int]] = []
 
 
 class StepResult(msgspec.Struct, array_like=True, tag="result"):

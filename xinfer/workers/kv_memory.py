@@ -56,6 +56,22 @@ def alloc_kv(model, config: EngineConfig, num_blocks: int, dtype: torch.dtype, b
                  n * np.prod(shape[:-1]) * kv_quant.head_bytes(a.head_dim, dtype) / (1 << 30))
 
 
+def copy_slots(models, copies: list[tuple[int, int, int]], block_size: int, device) -> None:
+    """Before a step, StepPlan.kv_copies: the first n slots of block src into block dst (src, dst,
+    n), in every attention layer of `models` (the target's, and a drafter's whose KV the same blocks
+    hold)."""
+    src = [s * block_size + j for s, d, n in copies if s != d for j in range(n)]
+    dst = [d * block_size + j for s, d, n in copies if s != d for j in range(n)]
+    if not src:  # its own block back from the free list: the slots hold it already
+        return
+    src, dst = (torch.tensor(x, dtype=torch.long, device=device) for x in (src, dst))
+    for model in models:
+        for layer in model.attention_layers():
+            kv_quant.copy(layer.k_cache, src, dst)
+            if layer.v_cache is not layer.k_cache:  # MLA's one latent cache
+                kv_quant.copy(layer.v_cache, src, dst)
+
+
 @torch.inference_mode()
 def calibrate_key_shift(runner, info) -> None:
     """turbo caches store keys less their mean (ops/turbo_quant.py): measured once on a fixed text,

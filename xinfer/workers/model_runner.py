@@ -178,6 +178,9 @@ class ModelRunner:
                 self.seqs[ns.seq_id].mm = self.vision.new_seq(ns.num_prompt_tokens, ns.images)
         for sid, snap in plan.state_restores:  # a prefix-cache hit: the state at its last block
             self.model.copy_state(snap, self.seqs[sid].state_slot)
+        if plan.kv_copies:
+            models = [self.model] + ([self.drafter.model] if self.drafter is not None else [])
+            kv_memory.copy_slots(models, plan.kv_copies, self.block_size, self.device)
         for s in plan.scheduled:
             if s.new_block_ids:
                 self.seqs[s.seq_id].block_ids.extend(s.new_block_ids)
