@@ -31,7 +31,7 @@ def _meta(batch: int, context: int, bs: int, perm: torch.Tensor, prefill: bool) 
 
 def run(args) -> int:
     hq, hkv, d = (int(x) for x in args.heads.split(","))
-    bs, g = 16, torch.Generator().manual_seed(0)
+    bs, g = args.block_size, torch.Generator().manual_seed(0)
     nb = args.batch * -(-args.context // bs) + 1
     perm = torch.randperm(nb - 1, generator=g)  # each sequence's blocks scattered through the cache
     q = torch.randn(args.batch * (args.context if args.prefill else 1), hq, d, generator=g)
@@ -97,6 +97,7 @@ def add_args(f) -> None:
     f.add_argument("--context", type=int, default=512, help="positions each sequence attends to")
     f.add_argument("--heads", default="9,3,64", help="query heads, KV heads, head size (default: SmolLM2-135M's)")
     f.add_argument("--layers", type=int, default=30, help="separate caches read one after another a step")
+    f.add_argument("--block-size", type=int, default=16, help="tokens a KV block (blocks scattered through the cache)")
     f.add_argument("--kvcache-dtype", default="auto,bf16,fp8,turbo4",
                    help="comma-separated formats (auto: float32)")
     f.add_argument("--prefill", action="store_true", help="each sequence a whole prompt of --context tokens")
