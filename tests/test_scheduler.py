@@ -77,6 +77,27 @@ def test_prefix_cache_hit_inside_a_block_copies_its_slots():
     s.bm.check_integrity()
 
 
+def test_cached_tokens_count_at_admission_not_at_a_failed_try():
+    """A prompt whose first try at admission matched cached blocks but found no room, and whose
+    blocks were reused before it got in, reports the hits it was admitted with."""
+    s = make(num_blocks=6)
+    a = seq(1, 8, max_tokens=1)
+    s.add(a)
+    while s.has_work():
+        run_step(s)  # a's two blocks cached, free
+    b = seq(2, 14, max_tokens=4)
+    s.add(b)
+    run_step(s)  # b holds 4 of the 6 blocks
+    c = Sequence(3, "r3", a.prompt_ids + [900] * 9, SamplingParams(), None, 2)
+    s.add(c)
+    run_step(s)  # c matches a's blocks, needs 3 more: waits
+    assert c.status == "waiting"
+    while s.has_work():
+        run_step(s)  # b's fifth block is a's second: c gets in with a's first only
+    assert c.num_cached_tokens == 4 and c.status == "finished"
+    s.bm.check_integrity()
+
+
 def test_partial_matches_forget_reused_blocks_and_keep_the_newest():
     bm = BlockManager(40, 4)
     bm.register(0, 11, None, [1, 2, 3, 4])

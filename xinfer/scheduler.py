@@ -203,6 +203,8 @@ class Scheduler:
                 break
             if partial is not None:  # its next block starts with a cached block's first slots
                 copies.append((partial[0], seq.block_ids[len(seq.block_hashes)], partial[1]))
+            if matched and seq.num_cached_tokens is None:  # admitted: its hits count (not a failed try's)
+                seq.num_cached_tokens = seq.num_computed
             self.waiting.popleft()
             seq.status = RUNNING
             if seq.scheduled_time is None:
@@ -277,8 +279,6 @@ class Scheduler:
             src, n = self.bm.match_partial(hashes[-1] if hashes else None,
                                            keys[seq.num_computed:min(seq.num_computed + bs, seq.num_tokens - 1)])
             seq.num_computed += n
-        if seq.num_cached_tokens is None:
-            seq.num_cached_tokens = seq.num_computed
         return (src, n) if n else None
 
     def _preempt(self, seq: Sequence) -> None:
