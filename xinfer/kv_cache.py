@@ -84,20 +84,19 @@ class BlockManager:
                 self.free.pop(b, None)
             self.ref[b] += 1
 
-    def register(self, block: int, h: int, parent: int | None = None, tokens=None) -> None:
+    def register(self, block: int, h: int, parent: int | None, tokens) -> None:
         """Record a newly filled block under its hash (first writer wins on duplicates), and with its
-        tokens (when given) among its parent's children for partial matches."""
+        tokens among its parent's children for partial matches."""
         if not self.enable_prefix_cache or h in self.cached:
             return
         self.cached[h] = block
         self.hash_of[block] = h
-        if tokens is not None:
-            kids = self.children.setdefault(parent, {})
-            kids[block] = tuple(tokens)
-            self.parent_of[block] = parent
-            if len(kids) > MAX_CHILDREN:  # a popular prefix's many continuations: scan the newest only
-                old = next(iter(kids))
-                del kids[old], self.parent_of[old]
+        kids = self.children.setdefault(parent, {})
+        kids[block] = tuple(tokens)
+        self.parent_of[block] = parent
+        if len(kids) > MAX_CHILDREN:  # a popular prefix's many continuations: scan the newest only
+            old = next(iter(kids))
+            del kids[old], self.parent_of[old]
         self._enforce_cap()
 
     def _enforce_cap(self):

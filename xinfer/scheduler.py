@@ -275,7 +275,7 @@ class Scheduler:
         seq.num_computed = len(blocks) * bs
         src, n = None, 0
         # not for a hybrid (its snapshots are at block ends) nor images (a span is computed whole)
-        if self.bm.enable_prefix_cache and self.slots is None and not seq.images:
+        if self.slots is None and not seq.images:
             src, n = self.bm.match_partial(hashes[-1] if hashes else None,
                                            keys[seq.num_computed:min(seq.num_computed + bs, seq.num_tokens - 1)])
             seq.num_computed += n
@@ -406,9 +406,9 @@ class Scheduler:
         toks = None
         for i in range(len(seq.block_hashes), full):
             toks = toks or seq.cache_keys
-            h = block_hash(seq.block_hashes[-1] if seq.block_hashes else None, toks[i * bs:(i + 1) * bs])
-            self.bm.register(seq.block_ids[i], h, seq.block_hashes[-1] if seq.block_hashes else None,
-                             toks[i * bs:(i + 1) * bs])
+            parent, chunk = seq.block_hashes[-1] if seq.block_hashes else None, toks[i * bs:(i + 1) * bs]
+            h = block_hash(parent, chunk)
+            self.bm.register(seq.block_ids[i], h, parent, chunk)
             seq.block_hashes.append(h)
 
     def _release_children(self, parent: Sequence) -> None:
