@@ -48,6 +48,19 @@ def test_timings_and_outputs(engine):
     assert len(out.logprobs) == 3 and all(len(alts) == 2 for _, alts in out.logprobs)
 
 
+def test_finished_requests_leave_only_their_cached_count(engine):
+    """A server runs forever: once a request ends, the core keeps its cached-token count, not its
+    Sequence (tokens, logprobs, images), so memory does not grow with the requests served."""
+    import gc
+    from xinfer.scheduler import Sequence
+    params = SamplingParams(max_tokens=4, logprobs=2)
+    outs = [engine.generate([[5, 6, 7] * 20 + [i]], params)[0] for i in (8, 9)]
+    gc.collect()
+    assert not [o for o in gc.get_objects() if isinstance(o, Sequence)]
+    assert outs[1].num_cached_tokens > 0
+    assert [engine.get_num_cached_tokens_for_seq(o.seq_id) for o in outs] == [o.num_cached_tokens for o in outs]
+
+
 def test_dummy_weights_from_config(tiny_llama_path, tmp_path):
     cfg = json.loads(open(f"{tiny_llama_path}/config.json").read())
     (tmp_path / "config.json").write_text(json.dumps(cfg))

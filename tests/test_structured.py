@@ -138,7 +138,7 @@ def test_compile_failure_in_the_core_ends_the_request_with_the_reason(engine):
         out = engine.generate([chat(engine, "x")], SamplingParams(max_tokens=5, structured=SO.json()))[0]
     finally:
         engine.core.grammars.submit = real
-    assert out.finish_reason == "error" and "boom" in engine.core.finished[out.seq_id].error
+    assert out.finish_reason == "error" and "boom" in out.error
     assert engine.generate([chat(engine, "x")], SamplingParams(max_tokens=3, structured=SO.choice(["ok"])))[0].text == "ok"
 
 

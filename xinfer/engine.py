@@ -40,6 +40,7 @@ class RequestOutput:
     queued_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
+    error: str | None = None  # with finish_reason "error": why the request could not be run
 
 
 class Engine:
@@ -193,7 +194,7 @@ class Engine:
                              seq.finish_reason, seq.num_cached_tokens or 0,
                              seq.logprobs if seq.params.logprobs is not None else None,
                              [None] + seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
-                             seq.arrival_time, seq.first_token_time, seq.finish_time)
+                             seq.arrival_time, seq.first_token_time, seq.finish_time, seq.error)
 
     def _params_list(self, params, n):
         if isinstance(params, list):

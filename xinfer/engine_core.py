@@ -47,7 +47,9 @@ class Delta:
     embedding: bytes = b""  # an embedding request's last delta: its vector (float32 bytes)
 
 
-_KEEP_FINISHED = 4096  # finished sequences remembered (cached-token counts); bounded: a server runs forever
+# finished sequences' cached-token counts remembered (Engine.get_num_cached_tokens_for_seq); bounded, and
+# only the count: a whole Sequence holds its tokens (and images), 4096 of them hundreds of MB
+_KEEP_FINISHED = 4096
 
 
 class EngineCore:
@@ -71,7 +73,7 @@ class EngineCore:
         self.grammars = Grammars(info.tokenizer, info.config["vocab_size"], info.eos_token_ids)
         # constrained requests whose grammar compiles (off the loop): (future, choices, deadline)
         self._compiling: list[tuple[concurrent.futures.Future, list[Sequence], float]] = []
-        self.finished: OrderedDict[int, Sequence] = OrderedDict()
+        self.finished: OrderedDict[int, int] = OrderedDict()
         self._pending = None  # the step sent ahead (overlap), whose result the next step() reads
         self.num_prompt_tokens = self.num_generation_tokens = self.num_cached_prompt_tokens = 0
 
@@ -171,8 +173,8 @@ class EngineCore:
             seq.grammar = None
 
     def num_cached_tokens(self, seq_id: int) -> int:
-        seq = self.scheduler.seqs.get(seq_id) or self.finished.get(seq_id)
-        return (seq.num_cached_tokens or 0) if seq is not None else 0
+        seq = self.scheduler.seqs.get(seq_id)
+        return (seq.num_cached_tokens or 0) if seq is not None else self.finished.get(seq_id, 0)
 
     # ---- the step ----
     def step(self) -> list[Delta]:
@@ -289,7 +291,7 @@ class EngineCore:
         return out
 
     def _remember(self, seq: Sequence) -> None:
-        self.finished[seq.seq_id] = seq
+        self.finished[seq.seq_id] = seq.num_cached_tokens or 0
         while len(self.finished) > _KEEP_FINISHED:
             self.finished.popitem(last=False)
 
