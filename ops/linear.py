@@ -12,11 +12,20 @@ its GEMM time (bench/NOTES-cpu.md).
 """
 from __future__ import annotations
 
+import os
 
 import torch
 import torch.nn.functional as F
 
 from xinfer import envs
+
+# oneDNN and ideep (torch's layer over it) each keep every primitive they build, up to 1,024, keyed by
+# the row count too; a server's prefill steps each bring their own, so a worker's heap grew ~800 MB in
+# ten minutes of varied prompts (bench/NOTES-cpu.md). 64 holds a step's few shapes and a decode batch's
+# (a miss costs ~1-3 ms) and kept that soak within ~80 MB. Both are read at the first primitive built.
+CACHE_CAPACITY = "64"
+for _var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+    os.environ.setdefault(_var, CACHE_CAPACITY)
 
 _ONEDNN = (envs.onednn() and torch.backends.mkldnn.is_available()
            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))

@@ -231,3 +231,38 @@ def test_packed_bf16_weight_gives_the_plain_bf16_product():
         want = F.linear(x.to(torch.bfloat16), w.to(torch.bfloat16)).float() + b
         assert torch.equal(lin.linear(x, w, b, fast=packed), want)
     assert lin.linear(torch.randn(0, 64), w, fast=packed).shape == (0, 96)
+
+
+_PRIMITIVES = """
+import os, torch
+from ops.linear import linear, pack
+def rss():
+    return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1]) / 1024
+dt = torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+w, x = pack(torch.randn(1536, 576), dt), torch.randn(1100, 576)
+linear(x[:64], None, fast=w)
+r0 = rss()
+for m in range(64, 1064, 4):  # a prefill step's row count each: one oneDNN primitive each
+    linear(x[:m], None, fast=w)
+print(os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"], os.environ["LRU_CACHE_CAPACITY"], rss() - r0)
+"""
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+def test_onednn_primitive_caches_are_bounded():
+    """oneDNN and ideep keep a primitive per row count, 1,024 of each by default: a server whose
+    prefill steps each bring a new count grew its heap by hundreds of MB. ops.linear caps both
+    (a setting of the user's is kept)."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    runs = {}
+    for cap in (None, "1024"):
+        e = dict(env, **({} if cap is None else {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": cap, "LRU_CACHE_CAPACITY": cap}))
+        out = subprocess.run([sys.executable, "-c", _PRIMITIVES], env=e, capture_output=True, text=True, check=True,
+                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        onednn, ideep, grew = out.stdout.split()
+        runs[cap] = (onednn, ideep, float(grew))
+    assert runs[None][:2] == ("64", "64") and runs["1024"][:2] == ("1024", "1024")
+    assert runs[None][2] < 0.7 * runs["1024"][2], runs
