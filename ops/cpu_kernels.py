@@ -29,6 +29,7 @@ from xinfer import envs
 log = logging.getLogger("xinfer.ops")
 
 SRC = Path(__file__).with_name("cpu_kernels.c")
+QGEMM = Path(__file__).with_name("cpu_qgemm.c")  # compiled into the same library (ops/qgemm.py)
 
 
 def _cache_dir() -> Path:
@@ -97,6 +98,12 @@ def load(src: Path):
     so.xinfer_attn_width.argtypes = []
     so.xinfer_kv_store.argtypes = [p, p, i, p, p, ctypes.c_int64, i, i, i, i, p, p, p, p]
     so.xinfer_sample.argtypes = [p, ctypes.c_int64, i, i, p, p, p]
+    so.xinfer_qg_bytes.restype = ctypes.c_long
+    so.xinfer_qg_bytes.argtypes = [i, i, i]
+    so.xinfer_qg_pack.argtypes = [i, p, i, i, p]
+    so.xinfer_qg_quant.argtypes = [p, i, i, i, p, p, p, p]
+    so.xinfer_qg_rows.argtypes = [i, p, i, i, p, i, p]
+    so.xinfer_qg_mm.argtypes = [i, p, i, i, p, p, p, p, i, p, i]
     return so
 
 
@@ -104,7 +111,7 @@ def _build(cc: str, src: Path):
     """Compile (once per source, compiler and CPU) and load the kernels; None if gcc refuses."""
     torch_lib = Path(torch.__file__).parent / "lib"
     march = envs.cpu_march() or (cpu_isa.MARCH.get(cpu_isa.level(), "native") if envs.cpu_isa() else "native")
-    key = hashlib.sha256(src.read_bytes() + cc.encode() + _cpu_id().encode() + str(torch_lib).encode()
+    key = hashlib.sha256(src.read_bytes() + QGEMM.read_bytes() + cc.encode() + _cpu_id().encode() + str(torch_lib).encode()
                          + march.encode()).hexdigest()[:16]
     out = _cache_dir() / f"cpu_kernels-{key}.so"
     if not out.exists():
@@ -114,7 +121,7 @@ def _build(cc: str, src: Path):
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             tmp_out = Path(tmp) / out.name
             # -ffp-contract=off: elementwise kernels round each step as torch does (no fused a*b+c)
-            cmd = [cc, "-O3", f"-march={march}", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", str(src), "-o",
+            cmd = [cc, "-O3", f"-march={march}", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", str(src), str(QGEMM), "-o",
                    str(tmp_out)] + gomp
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:

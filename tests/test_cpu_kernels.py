@@ -375,7 +375,7 @@ def test_one_call_decode_step_bf16_up_to_64_rows():
     e = Engine(EngineConfig(kv_cache_gb=0.15, cpu_matmul="bfloat16"), log_level="warning")
     try:
         r, model = e.runner, e.runner.model
-        assert model.head_blocks.max_rows == 64 and model.cpu_decoder().max_rows == 64
+        assert model.head_blocks.max_rows >= 64 and model.cpu_decoder().max_rows == 64  # a Q8_0 head: every batch (ops/qgemm.py)
         for n in (5, 24, 64):
             rows = [(list(range(3 * i, 3 * i + 3)), 40, [100 + i]) for i in range(n)]  # 192 blocks of 218
             outs = []

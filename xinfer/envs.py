@@ -45,6 +45,12 @@ def cpu_decode() -> bool:
     return os.environ.get("XINFER_CPU_DECODE", "1") != "0"
 
 
+def qgemm() -> bool:
+    """XINFER_QGEMM=0: GGUF Q4_K / Q6_K / Q8_0 weights take ops/quant.py's blocks and a float copy, as
+    before ops/qgemm.py (for comparisons)."""
+    return os.environ.get("XINFER_QGEMM") != "0"
+
+
 def cpu_kernels() -> bool:
     """XINFER_CPU_KERNELS=0: do not build or use ops/cpu_kernels.c."""
     return os.environ.get("XINFER_CPU_KERNELS") != "0"

@@ -228,12 +228,15 @@ class GGUFModel:
             else:
                 log.debug("%s: skipping tensor %s", self.path, t.name)
 
-    def tensors(self, keep=None, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, keep=None, lazy: bool = False, skip=()) -> Iterator[tuple[str, torch.Tensor]]:
         """`keep(name)`: only those; `lazy`: matrices as loader.lazy.Lazy, dequantized when (and as
-        far as) a loader needs them (a tensor-parallel rank's part)."""
+        far as) a loader needs them (a tensor-parallel rank's part); `skip`: names not read (held as
+        blocks already)."""
         import torch  # only the model worker reads tensors; the tokenizer side stays torch-free
 
         for name, t in self._named_tensors(keep):
+            if isinstance(name, str) and name in skip:
+                continue
             if lazy and isinstance(name, str) and len(t.shape) == 2 and self.arch not in gguf_hybrid.HYBRID_ARCHS:
                 part = self._lazy(name, t)
                 if part is not None:

@@ -16,9 +16,12 @@ from xinfer.models import model_class
 log = logging.getLogger("xinfer.loader")
 
 
-def build_model(info: ModelInfo, dtype: torch.dtype, device: torch.device, blocks: list | None = None) -> torch.nn.Module:
+def build_model(info: ModelInfo, dtype: torch.dtype, device: torch.device, blocks: list | None = None,
+                held=None) -> torch.nn.Module:
     """`blocks`: a list that collects a quantized HF checkpoint's linears the CPU block kernels read
-    in place, (name, QuantWeight), beside their float weights."""
+    in place, (name, QuantWeight), beside their float weights. `held(model)`: gives the built model
+    the weights it holds in another form before any is read, and returns their checkpoint names,
+    which are then not read in float (ops/qgemm.py)."""
     cls = model_class(info.config)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -27,13 +30,14 @@ def build_model(info: ModelInfo, dtype: torch.dtype, device: torch.device, block
             model = cls(info.config)
     finally:
         torch.set_default_dtype(prev)
+    skip = held(model) if held is not None else set()
     if info.kind == "dummy":
         _random_init(model)
     else:
         keep = getattr(model, "keeps", None)  # pipeline parallel: this stage's tensors only
         lazy = tp.size() > 1  # tensor parallel: each rank reads its part of a tensor, not the whole
         if info.kind == "gguf":
-            weights = info.gguf.tensors(keep, lazy)
+            weights = info.gguf.tensors(keep, lazy, skip)
         elif info.quant is not None:
             weights = iter_dequantized(info.path, info.quant, dtype, blocks, keep)
         else:

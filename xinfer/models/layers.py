@@ -13,6 +13,7 @@ from ops import cpu_kernels, triton_fused
 from ops.attention import attend
 from ops.linear import linear, pack
 from ops.norm import RMSNorm
+from ops.qgemm import PackedWeight
 from ops.quant import QuantWeight
 from ops.rotary import RotaryEmbedding
 from xinfer import parallel as tp
@@ -120,12 +121,15 @@ class Embedding(nn.Module):
         self.start, rows = tp.vocab_part(vocab)[:2] if parallel and tp.size() > 1 else (0, vocab)
         self.parallel = rows != vocab
         self.weight = _param(rows, dim, loader=self._load if self.parallel else default_loader)
+        self.blocks = None  # the table held as blocks, rows dequantized as looked up (layers.hold_packed)
 
     @reads_parts
     def _load(self, param, loaded, shard=None):
         default_loader(param, loaded.narrow(0, self.start, param.shape[0]))
 
     def forward(self, ids):
+        if self.blocks is not None:
+            return self.blocks.rows(ids)
         if not self.parallel:
             return F.embedding(ids, self.weight)
         local = ids - self.start
@@ -229,7 +233,7 @@ def load_weights(model: nn.Module, weights, remap=None) -> set[str]:
     """Load (name, tensor) pairs through each parameter's loader; returns the names loaded.
     `remap(name) -> (param_name, shard) | None` lets a model handle its own names first."""
     params = dict(model.named_parameters())
-    loaded = set()
+    loaded = set(getattr(model, "held", ()))  # parameters whose weights came as blocks (hold_packed)
     for name, tensor in weights:
         pname, shard = _target(name, remap)
         if pname not in params:
@@ -280,7 +284,8 @@ def attach_blocks(model: nn.Module, blocks, remap=None) -> int:
         if None in got:  # the whole weight, fused or not
             q = got[None]
         elif set(got) == set(lin.shards):
-            q = QuantWeight.cat([got[s] for s in sorted(lin.shards, key=lambda s: lin.shards[s][0])])
+            parts = [got[s] for s in sorted(lin.shards, key=lambda s: lin.shards[s][0])]
+            q = type(parts[0]).cat(parts) if len({type(p) for p in parts}) == 1 else None
         else:
             continue  # some shard is in a type the kernels do not read: float only
         if q is not None and q.shape == tuple(lin.weight.shape):
@@ -290,10 +295,32 @@ def attach_blocks(model: nn.Module, blocks, remap=None) -> int:
     for module, got in stacks.items():
         if module in mods:
             count += mods[module].attach_stacks(got.get("gate_proj"), got.get("up_proj"), got.get("down_proj"))
-    if head is not None:
+    if head is not None and not isinstance(getattr(model, "head_blocks", None), PackedWeight):
         model.head_blocks = head
         count += 1
     return count
+
+
+def hold_packed(model: nn.Module, blocks, remap=None) -> set[str]:
+    """Before any weight is read: the Linears (and the head, unless it is the embedding table too) whose
+    every shard comes as a PackedWeight (ops/qgemm.py) take those and hold no float weight. Returns the
+    checkpoint names they cover (the loader skips them); the model remembers the parameters in `held`."""
+    blocks = list(blocks)
+    attach_blocks(model, blocks, remap)
+    done = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, Linear) and isinstance(m.blocks, PackedWeight)}
+    if isinstance(getattr(model, "head_blocks", None), PackedWeight):
+        done.add(model.head_param_name())
+    by_param = {_target(name, remap)[0]: q for name, q in blocks}
+    for n, m in model.named_modules():
+        if isinstance(m, Embedding) and not m.parallel and f"{n}.weight" in by_param:
+            m.blocks = by_param[f"{n}.weight"]  # a tied head's blocks too: one copy for both
+            done.add(f"{n}.weight")
+    params = dict(model.named_parameters())
+    for pname in done:
+        params[pname].data = torch.empty(0, dtype=params[pname].dtype)
+    model.held = done
+    model.held_names = {name for name, _ in blocks if _target(name, remap)[0] in done}
+    return model.held_names
 
 
 def attach_fast(model: nn.Module, matmul: str) -> int:
@@ -307,6 +334,8 @@ def attach_fast(model: nn.Module, matmul: str) -> int:
     dtype = torch.bfloat16 if bf16 else torch.float32
     n = 0
     for mod in model.modules():
+        if isinstance(mod, Linear) and isinstance(mod.blocks, PackedWeight):
+            continue  # every batch reads its blocks
         if isinstance(mod, Linear) and (bf16 or mod.blocks is not None):
             mod.fast = pack(mod.weight.data, dtype)
             if mod.blocks is not None:
@@ -317,7 +346,7 @@ def attach_fast(model: nn.Module, matmul: str) -> int:
         model.head_blocks.use(matmul)
     # float32: the head stays plain (a tied one is the embedding table too: packing would copy it);
     # pipeline parallel: the head is on the last stage
-    if bf16 and tp.last_stage():
+    if bf16 and tp.last_stage() and not isinstance(getattr(model, "head_blocks", None), PackedWeight):
         head = model.model.embed_tokens.weight if model.tied else model.lm_head.weight
         model.head_fast = pack(head.data, dtype)
     return n

@@ -9,8 +9,9 @@ import logging
 import numpy as np
 import torch
 
-from ops import cpu_isa, cpu_kernels
+from ops import cpu_isa, cpu_kernels, qgemm
 from ops.attention import get_backend
+from ops.qgemm import PackedWeight
 from ops.quant import QuantWeight
 from ops.sampling import on_device, sample
 from ops.speculative import verify
@@ -21,7 +22,7 @@ from xinfer.ipc.step import StepPlan, StepResult, pack_ids, unpack_ids
 from xinfer.loader import ModelInfo, load_model_info
 from xinfer.loader.isq import apply_isq
 from xinfer.loader.weights import build_model
-from xinfer.models.layers import attach_blocks, attach_fast
+from xinfer.models.layers import attach_blocks, attach_fast, hold_packed
 from xinfer.workers import graphs, kv_memory, outputs, pipeline
 from xinfer.workers.batch import WorkerSeq, drafted, forward, sampling_batch
 from xinfer.workers.drafter import Drafter
@@ -101,11 +102,22 @@ class ModelRunner:
         kernels = self.config.quantization == "gguf"
         # a quantized HF checkpoint's linears that the block kernels read as they are (without --isq)
         ckpt_blocks = [] if kernels and info.quant is not None and not self.config.isq else None
-        model = build_model(dataclasses.replace(info, config=cfg), self.dtype, self.device, ckpt_blocks)
-        if kernels and info.kind == "gguf" and info.gguf.quantized:
-            n = attach_blocks(model, ((name, QuantWeight.from_gguf(*b)) for name, *b in info.gguf.quantized_blocks(getattr(model, "keeps", None))),
-                              model.remap)
-            log.info("GGUF blocks kept for %d weights (the small batches read them)", n)
+        gguf_blocks = kernels and info.kind == "gguf" and info.gguf.quantized
+        # 8-bit activations as llama.cpp's: a fast path, so --cpu-matmul float32 keeps the exact blocks
+        packed = gguf_blocks and self.device.type == "cpu" and tp.world_size() == 1 and qgemm.available() \
+            and self.config.cpu_matmul != "float32"
+        held = (lambda m: hold_packed(m, ((name, PackedWeight.from_gguf(*b)) for name, *b in
+                                          info.gguf.quantized_blocks(getattr(m, "keeps", None)) if qgemm.fits(*b[::2])),
+                                      m.remap)) if packed else None
+        model = build_model(dataclasses.replace(info, config=cfg), self.dtype, self.device, ckpt_blocks, held)
+        if packed:
+            log.info("GGUF Q4_K / Q6_K / Q8_0 blocks held for %d weights, no float copy (8-bit activations, VNNI)",
+                     len(model.held))
+        if gguf_blocks:
+            skip = getattr(model, "held_names", set())
+            n = attach_blocks(model, ((name, QuantWeight.from_gguf(*b)) for name, *b in info.gguf.quantized_blocks(getattr(model, "keeps", None))
+                                      if name not in skip), model.remap)
+            log.info("GGUF blocks kept for %d more weights (the small batches read them)", n)
         elif self.config.isq and kernels:
             if info.kind == "gguf":
                 log.info("--isq %s: %s is a GGUF file, its own tensor types stay", self.config.isq, info.name)

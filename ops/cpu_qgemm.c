@@ -1,0 +1,348 @@
+// y [M, N] = x [M, K] w^T for GGUF Q4_K, Q6_K and Q8_0 weights held once, in their own bits, for every
+// batch size: decode, batched decode and prefill alike (ops/qgemm.py). The activations are quantized to
+// 8 bits as llama.cpp quantizes them for these types (Q8_K: one scale per 256 values for the K-quants,
+// Q8_0: one per 32 for Q8_0), and the integer dot products run on the VNNI units (vpdpbusd: 64
+// multiply-adds an instruction, twice the bfloat16 dot products' rate). Sums are exact in int32 up to
+// each block's float scale.
+//
+// Layout (xinfer_qg_pack, from the GGUF blocks): 16 output columns a panel; per panel, per super-block
+// (256 inputs; 32 for Q8_0), the weights of a k-group (4 consecutive inputs) of the 16 columns in one
+// 64-byte vector, column c at bytes 4c..4c+3, as vpdpbusd reads them against 4 broadcast activations.
+//   Q4_K (kind 0), 2,432 bytes: 8 sub-blocks x 4 vectors of nibbles (vector v of sub-block j: k-group
+//        v in the low nibbles, v + 4 in the high ones); sc[8][16] and mn[4][16][2] as bytes (the 6-bit
+//        scales and mins, mn pairwise for vpmaddwd); d[16], dmin[16] float32.
+//   Q6_K (kind 1), 4,672 bytes: 64 vectors of q (0..63) as bytes; sc[16][16] int8, scp[8][16][2] int8
+//        (the same scales pairwise); d[16] float32.
+//   Q8_0 (kind 2), 576 bytes: 8 vectors of q + 128 as bytes; d[16] float32.
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <omp.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define QG 1
+#else
+#define QG 0
+#endif
+
+int xinfer_qg_available(void) { return QG; }
+
+static const int SB[3] = {256, 256, 32};        // inputs a super-block
+static const int SB_BYTES[3] = {2432, 4672, 576}; // bytes a (panel, super-block)
+
+long xinfer_qg_bytes(int kind, int N, int K) { return (long)(N / 16) * (K / SB[kind]) * SB_BYTES[kind]; }
+
+static inline float half_to_float(uint16_t h) {
+    uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023, u;
+    if (e == 0) {
+        if (m == 0) u = s;
+        else {  // subnormal: normalize
+            e = 127 - 15 + 1;
+            while (!(m & 1024)) { m <<= 1; e--; }
+            u = s | (e << 23) | ((m & 1023) << 13);
+        }
+    } else if (e == 31) u = s | 0x7f800000 | (m << 13);
+    else u = s | ((e + 127 - 15) << 23) | (m << 13);
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+// Q4_K / Q5_K: twelve bytes -> eight 6-bit scales and eight 6-bit mins (ggml's get_scale_min_k4)
+static void k4_scales(const uint8_t *q, uint8_t *sc, uint8_t *mn) {
+    for (int j = 0; j < 8; j++) {
+        if (j < 4) { sc[j] = q[j] & 63; mn[j] = q[j + 4] & 63; }
+        else { sc[j] = (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4); mn[j] = (q[j + 4] >> 4) | ((q[j] >> 6) << 4); }
+    }
+}
+
+// One column's super-block as plain integers: Q4_K q[256], sc[8], mn[8], d, dmin; Q6_K q[256] (0..63),
+// sc[16], d; Q8_0 q[32] (-128..127), d. The bit layouts are ggml's (ggml-quants.c dequantize_row_*).
+static void unpack_col(int kind, const uint8_t *b, int *q, int *sc, int *mn, float *d, float *dmin) {
+    if (kind == 0) {
+        *d = half_to_float(b[0] | b[1] << 8);
+        *dmin = half_to_float(b[2] | b[3] << 8);
+        uint8_t s8[8], m8[8];
+        k4_scales(b + 4, s8, m8);
+        for (int j = 0; j < 8; j++) { sc[j] = s8[j]; mn[j] = m8[j]; }
+        const uint8_t *qs = b + 16;
+        for (int c = 0; c < 4; c++)  // 64 inputs a chunk: 32 bytes, low nibbles first
+            for (int l = 0; l < 32; l++) { q[64 * c + l] = qs[32 * c + l] & 15; q[64 * c + 32 + l] = qs[32 * c + l] >> 4; }
+    } else if (kind == 1) {
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *s = (const int8_t *)(b + 192);
+        *d = half_to_float(b[208] | b[209] << 8);
+        for (int j = 0; j < 16; j++) sc[j] = s[j];
+        for (int h = 0; h < 2; h++)  // two halves of 128
+            for (int l = 0; l < 32; l++) {
+                const uint8_t *L = ql + 64 * h, *H = qh + 32 * h;
+                int *o = q + 128 * h;
+                o[l] = (L[l] & 15) | (((H[l] >> 0) & 3) << 4);
+                o[l + 32] = (L[l + 32] & 15) | (((H[l] >> 2) & 3) << 4);
+                o[l + 64] = (L[l] >> 4) | (((H[l] >> 4) & 3) << 4);
+                o[l + 96] = (L[l + 32] >> 4) | (((H[l] >> 6) & 3) << 4);
+            }
+    } else {
+        *d = half_to_float(b[0] | b[1] << 8);
+        for (int l = 0; l < 32; l++) q[l] = (int8_t)b[2 + l];
+    }
+}
+
+// The GGUF blocks of weights [N, K] (row n: K / 256 (Q8_0: K / 32) blocks, ggml's bytes) -> out, in the
+// layout above (xinfer_qg_bytes of it). N a multiple of 16, K of the super-block.
+void xinfer_qg_pack(int kind, const uint8_t *src, int N, int K, uint8_t *out) {
+    const int sb = SB[kind], nsb = K / sb, bb = kind == 0 ? 144 : kind == 1 ? 210 : 34;
+    #pragma omp parallel for schedule(static)
+    for (int p = 0; p < N / 16; p++) {
+        int q[16][256], sc[16][16], mn[16][8];
+        float d[16], dm[16];
+        for (int s = 0; s < nsb; s++) {
+            for (int c = 0; c < 16; c++)
+                unpack_col(kind, src + ((size_t)(16 * p + c) * nsb + s) * bb, q[c], sc[c], mn[c], &d[c], &dm[c]);
+            uint8_t *o = out + ((size_t)p * nsb + s) * SB_BYTES[kind];
+            if (kind == 0) {
+                for (int j = 0; j < 8; j++)
+                    for (int v = 0; v < 4; v++)
+                        for (int c = 0; c < 16; c++)
+                            for (int t = 0; t < 4; t++)
+                                o[(j * 4 + v) * 64 + 4 * c + t] = q[c][32 * j + 4 * v + t] | q[c][32 * j + 16 + 4 * v + t] << 4;
+                o += 2048;
+                for (int j = 0; j < 8; j++) for (int c = 0; c < 16; c++) o[16 * j + c] = sc[c][j];
+                o += 128;
+                for (int i = 0; i < 4; i++) for (int c = 0; c < 16; c++) { o[32 * i + 2 * c] = mn[c][2 * i]; o[32 * i + 2 * c + 1] = mn[c][2 * i + 1]; }
+                o += 128;
+                memcpy(o, d, 64);
+                memcpy(o + 64, dm, 64);
+            } else if (kind == 1) {
+                for (int g = 0; g < 64; g++)
+                    for (int c = 0; c < 16; c++)
+                        for (int t = 0; t < 4; t++) o[g * 64 + 4 * c + t] = q[c][4 * g + t];
+                o += 4096;
+                for (int j = 0; j < 16; j++) for (int c = 0; c < 16; c++) o[16 * j + c] = (uint8_t)(int8_t)sc[c][j];
+                o += 256;
+                for (int i = 0; i < 8; i++) for (int c = 0; c < 16; c++) { o[32 * i + 2 * c] = (uint8_t)(int8_t)sc[c][2 * i]; o[32 * i + 2 * c + 1] = (uint8_t)(int8_t)sc[c][2 * i + 1]; }
+                o += 256;
+                memcpy(o, d, 64);
+            } else {
+                for (int g = 0; g < 8; g++)
+                    for (int c = 0; c < 16; c++)
+                        for (int t = 0; t < 4; t++) o[g * 64 + 4 * c + t] = (uint8_t)(q[c][4 * g + t] + 128);
+                memcpy(o + 512, d, 64);
+            }
+        }
+    }
+}
+
+// Rows ids[0 .. n - 1] of the packed weights [N, K] as float32 (out [n, K]), exactly as ggml
+// dequantizes them: an embedding table held once, in the head's blocks.
+void xinfer_qg_rows(int kind, const uint8_t *pw, int N, int K, const int64_t *ids, int n, float *out) {
+    const int sb = SB[kind], nsb = K / sb;
+    (void)N;
+    #pragma omp parallel for schedule(static) if (n > 8)
+    for (int i = 0; i < n; i++) {
+        const int p = (int)(ids[i] / 16), c = (int)(ids[i] % 16);
+        float *o = out + (size_t)i * K;
+        for (int s = 0; s < nsb; s++, o += sb) {
+            const uint8_t *w = pw + ((size_t)p * nsb + s) * SB_BYTES[kind];
+            if (kind == 0) {
+                float d, dm;
+                memcpy(&d, w + 2304 + 4 * c, 4);
+                memcpy(&dm, w + 2368 + 4 * c, 4);
+                for (int j = 0; j < 8; j++) {
+                    const float sc = d * w[2048 + 16 * j + c], mn = dm * w[2176 + 32 * (j / 2) + 2 * c + (j & 1)];
+                    for (int v = 0; v < 4; v++)
+                        for (int t = 0; t < 4; t++) {
+                            const uint8_t b = w[(j * 4 + v) * 64 + 4 * c + t];
+                            o[32 * j + 4 * v + t] = sc * (b & 15) - mn;
+                            o[32 * j + 16 + 4 * v + t] = sc * (b >> 4) - mn;
+                        }
+                }
+            } else if (kind == 1) {
+                float d;
+                memcpy(&d, w + 4608 + 4 * c, 4);
+                for (int g = 0; g < 64; g++) {
+                    const float sc = d * (int8_t)w[4096 + 16 * (g / 4) + c];
+                    for (int t = 0; t < 4; t++) o[4 * g + t] = sc * (w[g * 64 + 4 * c + t] - 32);
+                }
+            } else {
+                float d;
+                memcpy(&d, w + 512 + 4 * c, 4);
+                for (int g = 0; g < 8; g++)
+                    for (int t = 0; t < 4; t++) o[4 * g + t] = d * (w[g * 64 + 4 * c + t] - 128);
+            }
+        }
+    }
+}
+
+// Quantized activations: q [M, K] int8 (scale d per qb inputs: max |x| / 127, round to nearest), d
+// [M, K / qb], and the integer sums s16 [M, K / 16], s32 [M, K / 32] (int16) that the offsets read.
+void xinfer_qg_quant(const float *x, int M, int K, int qb, int8_t *q, float *d, int16_t *s16, int16_t *s32) {
+    const int nb = K / qb;
+    #pragma omp parallel for schedule(static) if ((long)M * K > 65536)
+    for (int r = 0; r < M; r++)
+        for (int b = 0; b < nb; b++) {
+            const float *xs = x + (size_t)r * K + (size_t)b * qb;
+            float amax = 0.f;
+            for (int i = 0; i < qb; i++) amax = fmaxf(amax, fabsf(xs[i]));
+            float dd = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+            d[(size_t)r * nb + b] = dd;
+            int8_t *qo = q + (size_t)r * K + (size_t)b * qb;
+            for (int i = 0; i < qb; i++) qo[i] = (int8_t)lrintf(xs[i] * id);
+        }
+    #pragma omp parallel for schedule(static) if ((long)M * K > 65536)
+    for (int r = 0; r < M; r++)
+        for (int g = 0; g < K / 16; g++) {
+            const int8_t *qo = q + (size_t)r * K + 16 * g;
+            int s = 0;
+            for (int i = 0; i < 16; i++) s += qo[i];
+            s16[(size_t)r * (K / 16) + g] = (int16_t)s;
+            if (g & 1) s32[(size_t)r * (K / 32) + g / 2] = (int16_t)(s + s16[(size_t)r * (K / 16) + g - 1]);
+        }
+}
+
+#if QG
+#define RT 6  // rows a tile: 3 accumulators a row, 18 of the 32 vector registers
+
+static inline __m512i bcast(const int8_t *p) { int v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+
+// One tile: R rows (x r * K apart, scales xd r * nsb apart, sums likewise) against panel w of nsb
+// super-blocks, into y (ldy apart).
+static inline __attribute__((always_inline)) void tile_q4k(const uint8_t *w, int nsb, const int8_t *x, const float *xd,
+                                                            const int16_t *s32, int K, float *y, int ldy, int R) {
+    __m512 accf[RT];
+    for (int r = 0; r < R; r++) accf[r] = _mm512_setzero_ps();
+    const __m512i lo4 = _mm512_set1_epi8(15);
+    for (int s = 0; s < nsb; s++, w += 2432) {
+        __m512i acc[RT];
+        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j++) {
+            __m512i is[RT];
+            for (int r = 0; r < R; r++) is[r] = _mm512_setzero_si512();
+            for (int v = 0; v < 4; v++) {
+                __m512i W = _mm512_loadu_si512(w + (j * 4 + v) * 64);
+                __m512i lo = _mm512_and_si512(W, lo4), hi = _mm512_and_si512(_mm512_srli_epi16(W, 4), lo4);
+                const int8_t *xk = x + s * 256 + 32 * j + 4 * v;
+                for (int r = 0; r < R; r++) {
+                    is[r] = _mm512_dpbusd_epi32(is[r], lo, bcast(xk + (size_t)r * K));
+                    is[r] = _mm512_dpbusd_epi32(is[r], hi, bcast(xk + (size_t)r * K + 16));
+                }
+            }
+            __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 2048 + 16 * j)));
+            for (int r = 0; r < R; r++) acc[r] = _mm512_add_epi32(acc[r], _mm512_mullo_epi32(is[r], sc));
+        }
+        __m512 d = _mm512_loadu_ps((const float *)(w + 2304)), dm = _mm512_loadu_ps((const float *)(w + 2368));
+        for (int r = 0; r < R; r++) {
+            __m512i ms = _mm512_setzero_si512();
+            const int16_t *bs = s32 + (size_t)r * (K / 32) + s * 8;
+            for (int i = 0; i < 4; i++) {
+                __m512i m = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w + 2176 + 32 * i)));
+                int pair;
+                memcpy(&pair, bs + 2 * i, 4);
+                ms = _mm512_add_epi32(ms, _mm512_madd_epi16(m, _mm512_set1_epi32(pair)));
+            }
+            __m512 dx = _mm512_set1_ps(xd[(size_t)r * nsb + s]);
+            accf[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(d, dx), accf[r]);
+            accf[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms), _mm512_mul_ps(dm, dx), accf[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (size_t)r * ldy, accf[r]);
+}
+
+static inline __attribute__((always_inline)) void tile_q6k(const uint8_t *w, int nsb, const int8_t *x, const float *xd,
+                                                            const int16_t *s16, int K, float *y, int ldy, int R) {
+    __m512 accf[RT];
+    for (int r = 0; r < R; r++) accf[r] = _mm512_setzero_ps();
+    for (int s = 0; s < nsb; s++, w += 4672) {
+        __m512i acc[RT];
+        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
+        for (int j = 0; j < 16; j++) {
+            __m512i is[RT];
+            for (int r = 0; r < R; r++) is[r] = _mm512_setzero_si512();
+            for (int v = 0; v < 4; v++) {
+                __m512i W = _mm512_loadu_si512(w + (j * 4 + v) * 64);
+                const int8_t *xk = x + s * 256 + 16 * j + 4 * v;
+                for (int r = 0; r < R; r++) is[r] = _mm512_dpbusd_epi32(is[r], W, bcast(xk + (size_t)r * K));
+            }
+            __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 4096 + 16 * j)));
+            for (int r = 0; r < R; r++) acc[r] = _mm512_add_epi32(acc[r], _mm512_mullo_epi32(is[r], sc));
+        }
+        __m512 d = _mm512_loadu_ps((const float *)(w + 4608));
+        for (int r = 0; r < R; r++) {  // the -32 offset: 32 * sum_j sc_j * (sum of sub-block j's activations)
+            __m512i ms = _mm512_setzero_si512();
+            const int16_t *bs = s16 + (size_t)r * (K / 16) + s * 16;
+            for (int i = 0; i < 8; i++) {
+                __m512i m = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + 4352 + 32 * i)));
+                int pair;
+                memcpy(&pair, bs + 2 * i, 4);
+                ms = _mm512_add_epi32(ms, _mm512_madd_epi16(m, _mm512_set1_epi32(pair)));
+            }
+            __m512i t = _mm512_sub_epi32(acc[r], _mm512_slli_epi32(ms, 5));
+            accf[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(d, _mm512_set1_ps(xd[(size_t)r * nsb + s])), accf[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (size_t)r * ldy, accf[r]);
+}
+
+static inline __attribute__((always_inline)) void tile_q80(const uint8_t *w, int nsb, const int8_t *x, const float *xd,
+                                                            const int16_t *s32, int K, float *y, int ldy, int R) {
+    __m512 accf[RT];
+    for (int r = 0; r < R; r++) accf[r] = _mm512_setzero_ps();
+    for (int s = 0; s < nsb; s++, w += 576) {
+        __m512i is[RT];
+        for (int r = 0; r < R; r++) is[r] = _mm512_setzero_si512();
+        for (int v = 0; v < 8; v++) {
+            __m512i W = _mm512_loadu_si512(w + v * 64);
+            const int8_t *xk = x + s * 32 + 4 * v;
+            for (int r = 0; r < R; r++) is[r] = _mm512_dpbusd_epi32(is[r], W, bcast(xk + (size_t)r * K));
+        }
+        __m512 d = _mm512_loadu_ps((const float *)(w + 512));
+        for (int r = 0; r < R; r++) {  // the weights came as q + 128
+            __m512i t = _mm512_sub_epi32(is[r], _mm512_set1_epi32(128 * (int)s32[(size_t)r * (K / 32) + s]));
+            accf[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(d, _mm512_set1_ps(xd[(size_t)r * nsb + s])), accf[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (size_t)r * ldy, accf[r]);
+}
+
+#define TILE_CASES(FN, SUMS) \
+    switch (R) { \
+    case 6: FN(w, nsb, xq, xd, SUMS, K, yt, ldy, 6); break; \
+    case 5: FN(w, nsb, xq, xd, SUMS, K, yt, ldy, 5); break; \
+    case 4: FN(w, nsb, xq, xd, SUMS, K, yt, ldy, 4); break; \
+    case 3: FN(w, nsb, xq, xd, SUMS, K, yt, ldy, 3); break; \
+    case 2: FN(w, nsb, xq, xd, SUMS, K, yt, ldy, 2); break; \
+    default: FN(w, nsb, xq, xd, SUMS, K, yt, ldy, 1); }
+
+// y [M, ldy] columns 0 .. N - 1 = the quantized activations (xinfer_qg_quant with qb = 256 for kinds 0
+// and 1, 32 for kind 2) times the packed weights [N, K]^T. Panels split over the threads; within a
+// thread, each panel's tiles of RT rows reuse its weights from cache.
+void xinfer_qg_mm(int kind, const uint8_t *pw, int N, int K, const int8_t *q, const float *d, const int16_t *s16,
+                  const int16_t *s32, int M, float *y, int ldy) {
+    const int nsb = K / SB[kind], np = N / 16;
+    const size_t pb = (size_t)nsb * SB_BYTES[kind];
+    // rows in chunks whose activations stay in L2 while every panel passes over them
+    const int chunk = M <= 64 ? M : 64;
+    #pragma omp parallel
+    for (int m0 = 0; m0 < M; m0 += chunk) {
+        const int m1 = m0 + chunk < M ? m0 + chunk : M;
+        #pragma omp for schedule(static) nowait
+        for (int p = 0; p < np; p++) {
+            const uint8_t *w = pw + p * pb;
+            for (int r0 = m0; r0 < m1; r0 += RT) {
+                const int R = m1 - r0 < RT ? m1 - r0 : RT;
+                const int8_t *xq = q + (size_t)r0 * K;
+                const float *xd = d + (size_t)r0 * nsb;
+                float *yt = y + (size_t)r0 * ldy + 16 * p;
+                if (kind == 0) { const int16_t *ss = s32 + (size_t)r0 * (K / 32); TILE_CASES(tile_q4k, ss) }
+                else if (kind == 1) { const int16_t *ss = s16 + (size_t)r0 * (K / 16); TILE_CASES(tile_q6k, ss) }
+                else { const int16_t *ss = s32 + (size_t)r0 * (K / 32); TILE_CASES(tile_q80, ss) }
+            }
+        }
+    }
+}
+#else
+void xinfer_qg_mm(int kind, const uint8_t *pw, int N, int K, const int8_t *q, const float *d, const int16_t *s16,
+                  const int16_t *s32, int M, float *y, int ldy) { (void)kind; (void)pw; (void)N; (void)K; (void)q; (void)d; (void)s16; (void)s32; (void)M; (void)y; (void)ldy; }
+#endif

@@ -1,0 +1,96 @@
+"""GGUF Q4_K, Q6_K and Q8_0 weights held once, in their own bits, for batches of every size
+(ops/cpu_qgemm.c): the activations quantized to 8 bits as llama.cpp does for these types, the dot
+products on the VNNI units. No float or bfloat16 copy of such a weight exists, so a model takes about
+its file's size in memory, and prefill runs on the blocks at the integer units' rate.
+
+A `PackedWeight` is one linear's weight [N, K]; a fused one (QKV, gate-up) is several parts, each
+in its own type, writing its own columns of the output. Taken where the CPU has AVX512-VNNI
+(`available()`) and the shapes fit (16-row panels, whole super-blocks); other weights keep the
+block kernels of ops/quant.py. XINFER_QGEMM=0 turns it off.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ops import cpu_isa
+from ops.cpu_kernels import lib
+from xinfer import envs
+
+KINDS = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2}
+_BLOCK = {0: 256, 1: 256, 2: 32}  # inputs a super-block (and a scale of the activations)
+
+
+def available() -> bool:
+    """The kernels are built with AVX512-VNNI, and the CPU level (XINFER_CPU_ISA) has it."""
+    so = lib()
+    return (envs.qgemm() and so is not None and bool(so.xinfer_qg_available())
+            and cpu_isa.LEVELS.index(cpu_isa.level()) >= cpu_isa.LEVELS.index("avx512_vnni"))
+
+
+def fits(type_name: str, shape) -> bool:
+    n, k = shape
+    return type_name in KINDS and n % 16 == 0 and k % _BLOCK[KINDS[type_name]] == 0
+
+
+class PackedWeight:
+    """Parts [(kind, rows, packed bytes)] one after another along N; all share K."""
+
+    max_rows = 1 << 30  # linear() sends it every batch
+
+    def __init__(self, parts: list[tuple[int, int, torch.Tensor]], k: int):
+        self.parts = parts
+        self.shape = (sum(n for _, n, _ in parts), k)
+
+    @classmethod
+    def from_gguf(cls, type_name: str, blocks: np.ndarray, shape) -> "PackedWeight":
+        """`blocks` [N, K / block weights * block bytes] uint8, GGUF's own bytes (a view of the file)."""
+        n, k = shape
+        kind = KINDS[type_name]
+        out = torch.empty(lib().xinfer_qg_bytes(kind, n, k), dtype=torch.uint8)
+        src = np.ascontiguousarray(blocks)
+        lib().xinfer_qg_pack(kind, src.ctypes.data, n, k, out.data_ptr())
+        return cls([(kind, n, out)], k)
+
+    @staticmethod
+    def cat(parts: list["PackedWeight"]) -> "PackedWeight | None":
+        if len({p.shape[1] for p in parts}) != 1:
+            return None
+        return PackedWeight([q for p in parts for q in p.parts], parts[0].shape[1])
+
+    def narrow(self, dim: int, start: int, count: int):
+        raise ValueError("packed weights are not split")  # tensor parallel keeps ops/quant.py's blocks
+
+    def use(self, matmul: str) -> None:
+        """--cpu-matmul does not apply: the arithmetic is the integer units'."""
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight in float32, as GGUF dequantizes them (an embedding lookup)."""
+        (kind, n, w), = self.parts
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(flat.numel(), self.shape[1])
+        lib().xinfer_qg_rows(kind, w.data_ptr(), n, self.shape[1], flat.data_ptr(), flat.numel(), out.data_ptr())
+        return out.view(*ids.shape, self.shape[1])
+
+    def nbytes(self) -> int:
+        return sum(t.numel() for _, _, t in self.parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float().contiguous()
+        m, k = x.shape
+        y = torch.empty(m, self.shape[0], dtype=torch.float32)
+        so = lib()
+        acts = {}  # one quantization of x per block size the parts need
+        col = 0
+        for kind, n, w in self.parts:
+            qb = _BLOCK[kind]
+            if qb not in acts:
+                a = (torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // qb), torch.empty(m, k // 16, dtype=torch.int16),
+                     torch.empty(m, k // 32, dtype=torch.int16))
+                so.xinfer_qg_quant(x.data_ptr(), m, k, qb, *(t.data_ptr() for t in a))
+                acts[qb] = a
+            q, d, s16, s32 = acts[qb]
+            so.xinfer_qg_mm(kind, w.data_ptr(), n, k, q.data_ptr(), d.data_ptr(), s16.data_ptr(), s32.data_ptr(), m,
+                            y[:, col:].data_ptr(), self.shape[0])
+            col += n
+        return y
