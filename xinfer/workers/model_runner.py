@@ -51,7 +51,8 @@ class ModelRunner:
         self.eos_ids = info.eos_token_ids
         self.backend = get_backend(config.attention_backend, self.device)
         if self.device.type == "cpu":
-            log.info(cpu_isa.describe(config.cpu_matmul, config.quantization == "gguf", cpu_kernels.has_bf16()))
+            log.info(cpu_isa.describe(config.cpu_matmul, config.quantization == "gguf", cpu_kernels.has_bf16(),
+                                      bool(getattr(self.model, "held", None))))
         self.block_size = config.block_size
         self.drafter, draft_cfg = None, None
         if method == "mtp":
