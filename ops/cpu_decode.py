@@ -13,6 +13,7 @@ import torch
 
 from ops import kv_quant
 from ops.cpu_kernels import lib
+from ops.qgemm import PackedWeight
 from ops.quant import QuantWeight
 from xinfer import envs
 
@@ -25,7 +26,11 @@ ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}  # the gate activations the C step co
 
 class _Linear(ctypes.Structure):
     _fields_ = [("qs", _P), ("d", _P), ("m", _P), ("bias", _P), ("kind", _I), ("N", _I), ("K", _I), ("gs", _I),
-                ("prec", _I), ("pq", _P), ("pd", _P), ("pm", _P), ("pi", _P)]
+                ("prec", _I), ("pq", _P), ("pd", _P), ("pm", _P), ("pi", _P), ("qg", _P)]
+
+
+class _Packed(ctypes.Structure):  # ops/cpu_qgemm.c qg_linear
+    _fields_ = [("n_parts", _I), ("kind", _I * 3), ("N", _I * 3), ("pw", _P * 3)]
 
 
 class _Layer(ctypes.Structure):
@@ -45,8 +50,15 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _linear(w: QuantWeight, bias: torch.Tensor | None) -> _Linear:
+def _linear(w: QuantWeight | PackedWeight, bias: torch.Tensor | None, keep: list) -> _Linear:
     n, k = w.shape
+    if isinstance(w, PackedWeight):
+        if len(w.parts) > 3:
+            raise ValueError("more than three packed parts")
+        p = _Packed(len(w.parts), (_I * 3)(*[kind for kind, _, _ in w.parts]), (_I * 3)(*[rows for _, rows, _ in w.parts]),
+                    (_P * 3)(*[t.data_ptr() for _, _, t in w.parts]))
+        keep.append(p)
+        return _Linear(None, None, None, _ptr(bias), 0, n, k, 1, 0, None, None, None, None, ctypes.addressof(p))
     pq, pd, pm = w.panels or (None, None, None)
     return _Linear(_ptr(w.qs), _ptr(w.d), _ptr(w.m), _ptr(bias), 0 if w.kind == "q4" else 1, n, k, w.gs,
                    w.prec, _ptr(pq), _ptr(pd), _ptr(pm), _ptr(w.wide))
@@ -55,7 +67,7 @@ def _linear(w: QuantWeight, bias: torch.Tensor | None) -> _Linear:
 class CpuDecoder:
     """`layers`: one dict a layer with ln_in, ln_post, q_norm, k_norm (or None) weights, optionally
     attn_out_norm and mlp_out_norm (Gemma 3) and act (a key of ACTS; silu); qkv, o, gate_up, down as
-    (QuantWeight, bias or None); k_cache, v_cache (in any format kv_quant.c_kind names); cos, sin,
+    (QuantWeight or PackedWeight, bias or None); k_cache, v_cache (in any format kv_quant.c_kind names); cos, sin,
     rot; window (0: none), scale, softcap (0: none). Every other tensor is float32, contiguous and on the
     CPU, and is kept alive here."""
 
@@ -68,7 +80,7 @@ class CpuDecoder:
             self._keep.append(turbo)
             arr[i] = _Layer(_ptr(ly["ln_in"]), _ptr(ly["ln_post"]), _ptr(ly["q_norm"]), _ptr(ly["k_norm"]),
                             _ptr(ly.get("attn_out_norm")), _ptr(ly.get("mlp_out_norm")),
-                            _linear(*ly["qkv"]), _linear(*ly["o"]), _linear(*ly["gate_up"]), _linear(*ly["down"]),
+                            *(_linear(*ly[k], self._keep) for k in ("qkv", "o", "gate_up", "down")),
                             _ptr(ly["k_cache"]), _ptr(ly["v_cache"]), _ptr(kv_quant.scales(ly["k_cache"])),
                             _ptr(kv_quant.scales(ly["v_cache"])), *map(_ptr, turbo[1:]), turbo[0], _ptr(ly["cos"]),
                             _ptr(ly["sin"]), ly["rot"], ly["window"], kv_quant.c_kind(ly["k_cache"]),

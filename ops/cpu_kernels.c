@@ -748,7 +748,10 @@ typedef struct {
     const uint8_t *pq;          // with bf16: the same weights in panels (panel_dot), or NULL
     const float *pd, *pm;
     const int16_t *pi;          // int16 on AVX2: the weights widened in panels (mm_i16p), or NULL
+    const void *qg;             // GGUF weights held as packed blocks alone (ops/cpu_qgemm.c), or NULL
 } xq_linear;
+
+void xinfer_qg_team(const void *w, const float *bias, const float *x, float *y, int M, int N, int K);
 
 #if HAS_BF16
 static void rows_bf16(const xq_linear *w, const uint16_t *xb, float *y, int rows, int n) {
@@ -773,6 +776,10 @@ static int mm_team(const xq_linear *w, const float *x, float *y, int M, kv_pf *p
     // row through each in passes of mr rows, so a weight row comes from memory once a call (the
     // later passes find it in L1) however many rows the batch has. Each row's sums are the same
     // whatever rows share its pass.
+    if (w->qg) {
+        xinfer_qg_team(w->qg, w->bias, x, y, M, w->N, w->K);
+        return 0;
+    }
     const int i16 = w->prec == PREC_INT16 && M <= INT16_ROWS;
     if (w->prec == PREC_INT16 && w->pi && !i16) {
         return mm_i16p(w->pi, w->pd, w->pm, w->bias, w->N, w->K, x, y, M, pf, act);

@@ -315,34 +315,82 @@ static inline __attribute__((always_inline)) void tile_q80(const uint8_t *w, int
     case 2: FN(w, nsb, xq, xd, SUMS, K, yt, ldy, 2); break; \
     default: FN(w, nsb, xq, xd, SUMS, K, yt, ldy, 1); }
 
+// Panel p's tiles for rows m0 .. m1 - 1 (activations as xinfer_qg_quant left them) into y (ldy apart).
+static void qg_panel(int kind, const uint8_t *w, int K, const int8_t *q, const float *d, const int16_t *s16,
+                     const int16_t *s32, int m0, int m1, float *y, int ldy) {
+    const int nsb = K / SB[kind];
+    for (int r0 = m0; r0 < m1; r0 += RT) {
+        const int R = m1 - r0 < RT ? m1 - r0 : RT;
+        const int8_t *xq = q + (size_t)r0 * K;
+        const float *xd = d + (size_t)r0 * nsb;
+        float *yt = y + (size_t)r0 * ldy;
+        if (kind == 0) { const int16_t *ss = s32 + (size_t)r0 * (K / 32); TILE_CASES(tile_q4k, ss) }
+        else if (kind == 1) { const int16_t *ss = s16 + (size_t)r0 * (K / 16); TILE_CASES(tile_q6k, ss) }
+        else { const int16_t *ss = s32 + (size_t)r0 * (K / 32); TILE_CASES(tile_q80, ss) }
+    }
+}
+
 // y [M, ldy] columns 0 .. N - 1 = the quantized activations (xinfer_qg_quant with qb = 256 for kinds 0
 // and 1, 32 for kind 2) times the packed weights [N, K]^T. Panels split over the threads; within a
 // thread, each panel's tiles of RT rows reuse its weights from cache.
 void xinfer_qg_mm(int kind, const uint8_t *pw, int N, int K, const int8_t *q, const float *d, const int16_t *s16,
                   const int16_t *s32, int M, float *y, int ldy) {
-    const int nsb = K / SB[kind], np = N / 16;
-    const size_t pb = (size_t)nsb * SB_BYTES[kind];
+    const size_t pb = (size_t)(K / SB[kind]) * SB_BYTES[kind];
     // rows in chunks whose activations stay in L2 while every panel passes over them
     const int chunk = M <= 64 ? M : 64;
     #pragma omp parallel
     for (int m0 = 0; m0 < M; m0 += chunk) {
         const int m1 = m0 + chunk < M ? m0 + chunk : M;
         #pragma omp for schedule(static) nowait
-        for (int p = 0; p < np; p++) {
-            const uint8_t *w = pw + p * pb;
-            for (int r0 = m0; r0 < m1; r0 += RT) {
-                const int R = m1 - r0 < RT ? m1 - r0 : RT;
-                const int8_t *xq = q + (size_t)r0 * K;
-                const float *xd = d + (size_t)r0 * nsb;
-                float *yt = y + (size_t)r0 * ldy + 16 * p;
-                if (kind == 0) { const int16_t *ss = s32 + (size_t)r0 * (K / 32); TILE_CASES(tile_q4k, ss) }
-                else if (kind == 1) { const int16_t *ss = s16 + (size_t)r0 * (K / 16); TILE_CASES(tile_q6k, ss) }
-                else { const int16_t *ss = s32 + (size_t)r0 * (K / 32); TILE_CASES(tile_q80, ss) }
-            }
+        for (int p = 0; p < N / 16; p++) qg_panel(kind, pw + p * pb, K, q, d, s16, s32, m0, m1, y + 16 * p, ldy);
+    }
+}
+
+// A packed linear as the one-call decode step reads it (ops/cpu_decode.py): up to 3 parts along N.
+typedef struct { int n_parts, kind[3], N[3]; const uint8_t *pw[3]; } qg_linear;
+
+// y [M, N] = x [M, K] w^T (+ bias) by every thread of the enclosing parallel region (mm_team in
+// ops/cpu_kernels.c): one thread quantizes the rows, then the panels of all parts are shared out.
+void xinfer_qg_team(const qg_linear *w, const float *bias, const float *x, float *y, int M, int N, int K) {
+    int8_t *buf = NULL;
+    const size_t qn = (size_t)M * K, dn256 = (size_t)M * (K / 256 > 0 ? K / 256 : 1), dn32 = (size_t)M * (K / 32);
+    const size_t one = qn + sizeof(float) * dn32 + sizeof(int16_t) * ((size_t)M * (K / 16) + dn32);  // a block size's
+    #pragma omp single copyprivate(buf)
+    {
+        buf = malloc(2 * one + 64);
+        for (int qb = 0; qb < 2; qb++) {
+            int8_t *b = buf + qb * one;
+            int need = 0;
+            for (int i = 0; i < w->n_parts; i++) need |= (SB[w->kind[i]] == (qb ? 32 : 256));
+            if (need)
+                xinfer_qg_quant(x, M, K, qb ? 32 : 256, b, (float *)(b + qn), (int16_t *)(b + qn + sizeof(float) * dn32),
+                                (int16_t *)(b + qn + sizeof(float) * dn32) + (size_t)M * (K / 16));
         }
     }
+    (void)dn256;
+    int total = 0;
+    for (int i = 0; i < w->n_parts; i++) total += w->N[i] / 16;
+    #pragma omp for schedule(static)
+    for (int g = 0; g < total; g++) {
+        int i = 0, p = g, col = 0;
+        while (p >= w->N[i] / 16) { p -= w->N[i] / 16; col += w->N[i]; i++; }
+        const int kind = w->kind[i];
+        const int8_t *b = buf + (SB[kind] == 32) * one;
+        const float *d = (const float *)(b + qn);
+        const int16_t *s16 = (const int16_t *)(b + qn + sizeof(float) * dn32), *s32 = s16 + (size_t)M * (K / 16);
+        float *yp = y + col + 16 * p;
+        qg_panel(kind, w->pw[i] + (size_t)p * (K / SB[kind]) * SB_BYTES[kind], K, b, d, s16, s32, 0, M, yp, N);
+        if (bias)
+            for (int r = 0; r < M; r++)
+                for (int c = 0; c < 16; c++) yp[(size_t)r * N + c] += bias[col + 16 * p + c];
+    }
+    #pragma omp single
+    free(buf);
 }
 #else
 void xinfer_qg_mm(int kind, const uint8_t *pw, int N, int K, const int8_t *q, const float *d, const int16_t *s16,
                   const int16_t *s32, int M, float *y, int ldy) { (void)kind; (void)pw; (void)N; (void)K; (void)q; (void)d; (void)s16; (void)s32; (void)M; (void)y; (void)ldy; }
+void xinfer_qg_team(const void *w, const float *bias, const float *x, float *y, int M, int N, int K) {
+    (void)w; (void)bias; (void)x; (void)y; (void)M; (void)N; (void)K;
+}
 #endif

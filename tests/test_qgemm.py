@@ -107,6 +107,15 @@ def test_q4_k_m_model_holds_no_float_copy(tmp_path):
             else:  # --cpu-matmul float32 stays exact: the block kernels beside the float weights
                 assert not any(isinstance(m.blocks, qgemm.PackedWeight) for m in lins)
             lps[matmul] = e.runner.log_probs(prompt, chunk=7)
+            if matmul == "bfloat16":  # the one-call C decode step reads the packed blocks too
+                from xinfer import SamplingParams
+                params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+                runs = []
+                for fused in (None, False):
+                    model._cpu_decoder = fused
+                    runs.append(e.generate([prompt[:9], prompt[3:20]], params))
+                    assert (model._cpu_decoder is False) == (fused is False)
+                assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
         finally:
             e.close()
     p, q = lps["float32"], lps["bfloat16"]

@@ -65,9 +65,11 @@ class GGUFModel:
     def tensor_names(self) -> set[str]:
         return {t.name for t in self._reader.tensors}
 
-    def quantized_blocks(self, keep=None) -> Iterator[tuple[str, str, np.ndarray, tuple[int, int]]]:
+    def quantized_blocks(self, keep=None, drop: bool = False) -> Iterator[tuple[str, str, np.ndarray, tuple[int, int]]]:
         """(checkpoint name, GGUF type, raw blocks [rows, bytes], (rows, cols)) of every matrix in a
-        block type the CPU kernels read, rows in the order `tensors()` gives them."""
+        block type the CPU kernels read, rows in the order `tensors()` gives them. `drop`: each
+        tensor's pages leave this process's mapping once the consumer is done with the blocks (they
+        were copied, as ops/qgemm.py packs them)."""
         for name, t in self._named_tensors(keep):
             if t.tensor_type.name not in BLOCK_TYPES:
                 continue
@@ -83,6 +85,13 @@ class GGUFModel:
             shape = (int(t.shape[1]), int(t.shape[0]))
             blocks = np.asarray(t.data).reshape(shape[0], -1)
             yield name, t.tensor_type.name, self._fix_rows(name, blocks), shape
+            if drop:
+                self._reader.drop(t)
+
+    def drop_pages(self) -> None:
+        """The file's pages out of this process's mapping (xinfer/loader/gguf_file.py drop): every
+        tensor has been copied or repacked by now."""
+        self._reader.drop()
 
     def _fix_rows(self, name: str, w: np.ndarray) -> np.ndarray:
         """llama.cpp stores llama's Q/K rows permuted (see unpermute_qk)."""

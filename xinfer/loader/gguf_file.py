@@ -7,6 +7,7 @@ only the values, and lays tensors out exactly as GGUFReader does (what gguf.quan
 """
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass
 
@@ -66,6 +67,19 @@ class GGUFFile:
         align = int(self.fields.get("general.alignment", 32))
         start = -(-self.pos // align) * align
         self.tensors = [self._tensor(start, *info) for info in infos]
+
+    def drop(self, t: GGUFTensor | None = None) -> None:
+        """Give back the pages of tensor `t` (None: the whole file) that this process's mapping holds: a
+        weight repacked from them (ops/qgemm.py) no longer needs them, and they would count in its
+        resident memory. The page cache keeps them for whoever maps the file next."""
+        mm = getattr(self.mm, "_mmap", None)
+        if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start, end = (0, len(self.mm)) if t is None else (t.data_offset, t.data_offset + t.n_bytes)
+        start = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the range only
+        end = end // mmap.PAGESIZE * mmap.PAGESIZE if t is not None else end
+        if end > start:
+            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def _unpack(self, fmt: str) -> tuple:
         out = struct.unpack_from(fmt, self.buf, self.pos)

@@ -108,7 +108,8 @@ class ModelRunner:
         packed = gguf_blocks and self.device.type == "cpu" and tp.world_size() == 1 and qgemm.available() \
             and self.config.cpu_matmul != "float32"
         held = (lambda m: hold_packed(m, ((name, PackedWeight.from_gguf(*b)) for name, *b in
-                                          info.gguf.quantized_blocks(getattr(m, "keeps", None)) if qgemm.fits(*b[::2])),
+                                          info.gguf.quantized_blocks(getattr(m, "keeps", None), drop=True)
+                                          if qgemm.fits(*b[::2])),
                                       m.remap)) if packed else None
         model = build_model(dataclasses.replace(info, config=cfg), self.dtype, self.device, ckpt_blocks, held)
         if packed:
@@ -119,6 +120,7 @@ class ModelRunner:
             n = attach_blocks(model, ((name, QuantWeight.from_gguf(*b)) for name, *b in info.gguf.quantized_blocks(getattr(model, "keeps", None))
                                       if name not in skip), model.remap)
             log.info("GGUF blocks kept for %d more weights (the small batches read them)", n)
+            info.gguf.drop_pages()  # every tensor is a copy by now: the mapping's pages need not count here
         elif self.config.isq and kernels:
             if info.kind == "gguf":
                 log.info("--isq %s: %s is a GGUF file, its own tensor types stay", self.config.isq, info.name)
