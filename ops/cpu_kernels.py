@@ -101,9 +101,9 @@ def load(src: Path):
     so.xinfer_qg_bytes.restype = ctypes.c_long
     so.xinfer_qg_bytes.argtypes = [i, i, i]
     so.xinfer_qg_pack.argtypes = [i, p, i, i, p]
-    so.xinfer_qg_quant.argtypes = [p, i, i, i, p, p, p, p]
+    so.xinfer_qg_quant.argtypes = [p, i, i, p, p, p, p, p]
     so.xinfer_qg_rows.argtypes = [i, p, i, i, p, i, p]
-    so.xinfer_qg_mm.argtypes = [i, p, i, i, p, p, p, p, i, p, i]
+    so.xinfer_qg_mm.argtypes = [i, p, i, i, p, p, p, p, p, i, p, i]
     return so
 
 

@@ -1,16 +1,17 @@
 // y [M, N] = x [M, K] w^T for GGUF Q4_K, Q6_K and Q8_0 weights held once, in their own bits, for every
 // batch size: decode, batched decode and prefill alike (ops/qgemm.py). The activations are quantized to
-// 8 bits as llama.cpp quantizes them for these types (Q8_K: one scale per 256 values for the K-quants,
-// Q8_0: one per 32 for Q8_0), and the integer dot products run on the VNNI units (vpdpbusd: 64
+// 8 bits with one scale per 32 values (Q8_0's format; llama.cpp uses it for Q8_0 weights and a coarser
+// one, Q8_K's per 256, for the K-quants: per 32 measured several times closer to the float path on
+// Gemma-3-270M, bench/NOTES-cpu.md), and the integer dot products run on the VNNI units (vpdpbusd: 64
 // multiply-adds an instruction, twice the bfloat16 dot products' rate). Sums are exact in int32 up to
-// each block's float scale.
+// each 32 inputs' float scale.
 //
 // Layout (xinfer_qg_pack, from the GGUF blocks): 16 output columns a panel; per panel, per super-block
 // (256 inputs; 32 for Q8_0), the weights of a k-group (4 consecutive inputs) of the 16 columns in one
 // 64-byte vector, column c at bytes 4c..4c+3, as vpdpbusd reads them against 4 broadcast activations.
 //   Q4_K (kind 0), 2,432 bytes: 8 sub-blocks x 4 vectors of nibbles (vector v of sub-block j: k-group
-//        v in the low nibbles, v + 4 in the high ones); sc[8][16] and mn[4][16][2] as bytes (the 6-bit
-//        scales and mins, mn pairwise for vpmaddwd); d[16], dmin[16] float32.
+//        v in the low nibbles, v + 4 in the high ones); sc[8][16] and mn[8][16] as bytes (the 6-bit
+//        scales and mins); d[16], dmin[16] float32.
 //   Q6_K (kind 1), 4,672 bytes: 64 vectors of q (0..63) as bytes; sc[16][16] int8, scp[8][16][2] int8
 //        (the same scales pairwise); d[16] float32.
 //   Q8_0 (kind 2), 576 bytes: 8 vectors of q + 128 as bytes; d[16] float32.
@@ -111,7 +112,7 @@ void xinfer_qg_pack(int kind, const uint8_t *src, int N, int K, uint8_t *out) {
                 o += 2048;
                 for (int j = 0; j < 8; j++) for (int c = 0; c < 16; c++) o[16 * j + c] = sc[c][j];
                 o += 128;
-                for (int i = 0; i < 4; i++) for (int c = 0; c < 16; c++) { o[32 * i + 2 * c] = mn[c][2 * i]; o[32 * i + 2 * c + 1] = mn[c][2 * i + 1]; }
+                for (int j = 0; j < 8; j++) for (int c = 0; c < 16; c++) o[16 * j + c] = mn[c][j];
                 o += 128;
                 memcpy(o, d, 64);
                 memcpy(o + 64, dm, 64);
@@ -151,7 +152,7 @@ void xinfer_qg_rows(int kind, const uint8_t *pw, int N, int K, const int64_t *id
                 memcpy(&d, w + 2304 + 4 * c, 4);
                 memcpy(&dm, w + 2368 + 4 * c, 4);
                 for (int j = 0; j < 8; j++) {
-                    const float sc = d * w[2048 + 16 * j + c], mn = dm * w[2176 + 32 * (j / 2) + 2 * c + (j & 1)];
+                    const float sc = d * w[2048 + 16 * j + c], mn = dm * w[2176 + 16 * j + c];
                     for (int v = 0; v < 4; v++)
                         for (int t = 0; t < 4; t++) {
                             const uint8_t b = w[(j * 4 + v) * 64 + 4 * c + t];
@@ -176,29 +177,28 @@ void xinfer_qg_rows(int kind, const uint8_t *pw, int N, int K, const int64_t *id
     }
 }
 
-// Quantized activations: q [M, K] int8 (scale d per qb inputs: max |x| / 127, round to nearest), d
-// [M, K / qb], and the integer sums s16 [M, K / 16], s32 [M, K / 32] (int16) that the offsets read.
-void xinfer_qg_quant(const float *x, int M, int K, int qb, int8_t *q, float *d, int16_t *s16, int16_t *s32) {
-    const int nb = K / qb;
+// Quantized activations: q [M, K] int8 with a scale d per 32 inputs (max |x| / 127, round to nearest), d
+// [M, K / 32]; the integer sums s16 [M, K / 16] and s32 [M, K / 32] (int16), and xs [M, K / 32] = d * s32
+// (float), that the weights' offsets read.
+void xinfer_qg_quant(const float *x, int M, int K, int8_t *q, float *d, int16_t *s16, int16_t *s32, float *xs) {
+    const int nb = K / 32;
     #pragma omp parallel for schedule(static) if ((long)M * K > 65536)
     for (int r = 0; r < M; r++)
         for (int b = 0; b < nb; b++) {
-            const float *xs = x + (size_t)r * K + (size_t)b * qb;
+            const float *xb = x + (size_t)r * K + (size_t)b * 32;
             float amax = 0.f;
-            for (int i = 0; i < qb; i++) amax = fmaxf(amax, fabsf(xs[i]));
-            float dd = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-            d[(size_t)r * nb + b] = dd;
-            int8_t *qo = q + (size_t)r * K + (size_t)b * qb;
-            for (int i = 0; i < qb; i++) qo[i] = (int8_t)lrintf(xs[i] * id);
-        }
-    #pragma omp parallel for schedule(static) if ((long)M * K > 65536)
-    for (int r = 0; r < M; r++)
-        for (int g = 0; g < K / 16; g++) {
-            const int8_t *qo = q + (size_t)r * K + 16 * g;
-            int s = 0;
-            for (int i = 0; i < 16; i++) s += qo[i];
-            s16[(size_t)r * (K / 16) + g] = (int16_t)s;
-            if (g & 1) s32[(size_t)r * (K / 32) + g / 2] = (int16_t)(s + s16[(size_t)r * (K / 16) + g - 1]);
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
+            const float dd = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+            int8_t *qo = q + (size_t)r * K + (size_t)b * 32;
+            int lo = 0, hi = 0;
+            for (int i = 0; i < 32; i++) {
+                qo[i] = (int8_t)lrintf(xb[i] * id);
+                if (i < 16) lo += qo[i]; else hi += qo[i];
+            }
+            const size_t i = (size_t)r * nb + b;
+            d[i] = dd;
+            s16[2 * i] = (int16_t)lo, s16[2 * i + 1] = (int16_t)hi, s32[i] = (int16_t)(lo + hi);
+            xs[i] = dd * (float)(lo + hi);
         }
 }
 
@@ -210,13 +210,14 @@ static inline __m512i bcast(const int8_t *p) { int v; memcpy(&v, p, 4); return _
 // One tile: R rows (x r * K apart, scales xd r * nsb apart, sums likewise) against panel w of nsb
 // super-blocks, into y (ldy apart).
 static inline __attribute__((always_inline)) void tile_q4k(const uint8_t *w, int nsb, const int8_t *x, const float *xd,
-                                                            const int16_t *s32, int K, float *y, int ldy, int R) {
+                                                            const void *sums, int K, float *y, int ldy, int R) {
+    const float *xs = sums;  // d * the sum of each 32 inputs (the mins' term)
+    const int nb = K / 32;
     __m512 accf[RT];
     for (int r = 0; r < R; r++) accf[r] = _mm512_setzero_ps();
     const __m512i lo4 = _mm512_set1_epi8(15);
     for (int s = 0; s < nsb; s++, w += 2432) {
-        __m512i acc[RT];
-        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
+        const __m512 d = _mm512_loadu_ps((const float *)(w + 2304)), dm = _mm512_loadu_ps((const float *)(w + 2368));
         for (int j = 0; j < 8; j++) {
             __m512i is[RT];
             for (int r = 0; r < R; r++) is[r] = _mm512_setzero_si512();
@@ -229,64 +230,55 @@ static inline __attribute__((always_inline)) void tile_q4k(const uint8_t *w, int
                     is[r] = _mm512_dpbusd_epi32(is[r], hi, bcast(xk + (size_t)r * K + 16));
                 }
             }
-            __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 2048 + 16 * j)));
-            for (int r = 0; r < R; r++) acc[r] = _mm512_add_epi32(acc[r], _mm512_mullo_epi32(is[r], sc));
-        }
-        __m512 d = _mm512_loadu_ps((const float *)(w + 2304)), dm = _mm512_loadu_ps((const float *)(w + 2368));
-        for (int r = 0; r < R; r++) {
-            __m512i ms = _mm512_setzero_si512();
-            const int16_t *bs = s32 + (size_t)r * (K / 32) + s * 8;
-            for (int i = 0; i < 4; i++) {
-                __m512i m = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w + 2176 + 32 * i)));
-                int pair;
-                memcpy(&pair, bs + 2 * i, 4);
-                ms = _mm512_add_epi32(ms, _mm512_madd_epi16(m, _mm512_set1_epi32(pair)));
+            const __m512 sc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 2048 + 16 * j)))));
+            const __m512 mn = _mm512_mul_ps(dm, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 2176 + 16 * j)))));
+            for (int r = 0; r < R; r++) {
+                const size_t i = (size_t)r * nb + s * 8 + j;
+                accf[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), _mm512_mul_ps(sc, _mm512_set1_ps(xd[i])), accf[r]);
+                accf[r] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(xs[i]), accf[r]);
             }
-            __m512 dx = _mm512_set1_ps(xd[(size_t)r * nsb + s]);
-            accf[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(d, dx), accf[r]);
-            accf[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms), _mm512_mul_ps(dm, dx), accf[r]);
         }
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (size_t)r * ldy, accf[r]);
 }
 
 static inline __attribute__((always_inline)) void tile_q6k(const uint8_t *w, int nsb, const int8_t *x, const float *xd,
-                                                            const int16_t *s16, int K, float *y, int ldy, int R) {
+                                                            const void *sums, int K, float *y, int ldy, int R) {
+    const int16_t *s16 = sums;  // the sum of each 16 inputs (the -32 offset's term)
+    const int nb = K / 32;
     __m512 accf[RT];
     for (int r = 0; r < R; r++) accf[r] = _mm512_setzero_ps();
     for (int s = 0; s < nsb; s++, w += 4672) {
-        __m512i acc[RT];
-        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
-        for (int j = 0; j < 16; j++) {
-            __m512i is[RT];
-            for (int r = 0; r < R; r++) is[r] = _mm512_setzero_si512();
+        const __m512 d = _mm512_loadu_ps((const float *)(w + 4608));
+        for (int j = 0; j < 8; j++) {  // 32 inputs: sub-blocks 2j and 2j + 1, one activation scale
+            __m512i ia[RT], ib[RT];
+            for (int r = 0; r < R; r++) ia[r] = ib[r] = _mm512_setzero_si512();
             for (int v = 0; v < 4; v++) {
-                __m512i W = _mm512_loadu_si512(w + (j * 4 + v) * 64);
-                const int8_t *xk = x + s * 256 + 16 * j + 4 * v;
-                for (int r = 0; r < R; r++) is[r] = _mm512_dpbusd_epi32(is[r], W, bcast(xk + (size_t)r * K));
+                const __m512i Wa = _mm512_loadu_si512(w + (j * 8 + v) * 64), Wb = _mm512_loadu_si512(w + (j * 8 + 4 + v) * 64);
+                const int8_t *xk = x + s * 256 + 32 * j + 4 * v;
+                for (int r = 0; r < R; r++) {
+                    ia[r] = _mm512_dpbusd_epi32(ia[r], Wa, bcast(xk + (size_t)r * K));
+                    ib[r] = _mm512_dpbusd_epi32(ib[r], Wb, bcast(xk + (size_t)r * K + 16));
+                }
             }
-            __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 4096 + 16 * j)));
-            for (int r = 0; r < R; r++) acc[r] = _mm512_add_epi32(acc[r], _mm512_mullo_epi32(is[r], sc));
-        }
-        __m512 d = _mm512_loadu_ps((const float *)(w + 4608));
-        for (int r = 0; r < R; r++) {  // the -32 offset: 32 * sum_j sc_j * (sum of sub-block j's activations)
-            __m512i ms = _mm512_setzero_si512();
-            const int16_t *bs = s16 + (size_t)r * (K / 16) + s * 16;
-            for (int i = 0; i < 8; i++) {
-                __m512i m = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + 4352 + 32 * i)));
+            const __m512i sa = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 4096 + 32 * j)));
+            const __m512i sb = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 4096 + 32 * j + 16)));
+            const __m512i sp = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + 4352 + 32 * j)));
+            for (int r = 0; r < R; r++) {
                 int pair;
-                memcpy(&pair, bs + 2 * i, 4);
-                ms = _mm512_add_epi32(ms, _mm512_madd_epi16(m, _mm512_set1_epi32(pair)));
+                memcpy(&pair, s16 + (size_t)r * 2 * nb + s * 16 + 2 * j, 4);
+                __m512i t = _mm512_add_epi32(_mm512_mullo_epi32(ia[r], sa), _mm512_mullo_epi32(ib[r], sb));
+                t = _mm512_sub_epi32(t, _mm512_slli_epi32(_mm512_madd_epi16(sp, _mm512_set1_epi32(pair)), 5));
+                accf[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(d, _mm512_set1_ps(xd[(size_t)r * nb + s * 8 + j])), accf[r]);
             }
-            __m512i t = _mm512_sub_epi32(acc[r], _mm512_slli_epi32(ms, 5));
-            accf[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(d, _mm512_set1_ps(xd[(size_t)r * nsb + s])), accf[r]);
         }
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (size_t)r * ldy, accf[r]);
 }
 
 static inline __attribute__((always_inline)) void tile_q80(const uint8_t *w, int nsb, const int8_t *x, const float *xd,
-                                                            const int16_t *s32, int K, float *y, int ldy, int R) {
+                                                            const void *sums, int K, float *y, int ldy, int R) {
+    const int16_t *s32 = sums;
     __m512 accf[RT];
     for (int r = 0; r < R; r++) accf[r] = _mm512_setzero_ps();
     for (int s = 0; s < nsb; s++, w += 576) {
@@ -317,24 +309,24 @@ static inline __attribute__((always_inline)) void tile_q80(const uint8_t *w, int
 
 // Panel p's tiles for rows m0 .. m1 - 1 (activations as xinfer_qg_quant left them) into y (ldy apart).
 static void qg_panel(int kind, const uint8_t *w, int K, const int8_t *q, const float *d, const int16_t *s16,
-                     const int16_t *s32, int m0, int m1, float *y, int ldy) {
+                     const int16_t *s32, const float *xs, int m0, int m1, float *y, int ldy) {
     const int nsb = K / SB[kind];
     for (int r0 = m0; r0 < m1; r0 += RT) {
         const int R = m1 - r0 < RT ? m1 - r0 : RT;
         const int8_t *xq = q + (size_t)r0 * K;
-        const float *xd = d + (size_t)r0 * nsb;
+        const float *xd = d + (size_t)r0 * (K / 32);
         float *yt = y + (size_t)r0 * ldy;
-        if (kind == 0) { const int16_t *ss = s32 + (size_t)r0 * (K / 32); TILE_CASES(tile_q4k, ss) }
+        if (kind == 0) { const float *ss = xs + (size_t)r0 * (K / 32); TILE_CASES(tile_q4k, ss) }
         else if (kind == 1) { const int16_t *ss = s16 + (size_t)r0 * (K / 16); TILE_CASES(tile_q6k, ss) }
         else { const int16_t *ss = s32 + (size_t)r0 * (K / 32); TILE_CASES(tile_q80, ss) }
     }
 }
 
-// y [M, ldy] columns 0 .. N - 1 = the quantized activations (xinfer_qg_quant with qb = 256 for kinds 0
-// and 1, 32 for kind 2) times the packed weights [N, K]^T. Panels split over the threads; within a
-// thread, each panel's tiles of RT rows reuse its weights from cache.
+// y [M, ldy] columns 0 .. N - 1 = the quantized activations (xinfer_qg_quant) times the packed weights
+// [N, K]^T. Panels split over the threads; within a thread, each panel's tiles of RT rows reuse its
+// weights from cache.
 void xinfer_qg_mm(int kind, const uint8_t *pw, int N, int K, const int8_t *q, const float *d, const int16_t *s16,
-                  const int16_t *s32, int M, float *y, int ldy) {
+                  const int16_t *s32, const float *xs, int M, float *y, int ldy) {
     const size_t pb = (size_t)(K / SB[kind]) * SB_BYTES[kind];
     // rows in chunks whose activations stay in L2 while every panel passes over them
     const int chunk = M <= 64 ? M : 64;
@@ -342,7 +334,7 @@ void xinfer_qg_mm(int kind, const uint8_t *pw, int N, int K, const int8_t *q, co
     for (int m0 = 0; m0 < M; m0 += chunk) {
         const int m1 = m0 + chunk < M ? m0 + chunk : M;
         #pragma omp for schedule(static) nowait
-        for (int p = 0; p < N / 16; p++) qg_panel(kind, pw + p * pb, K, q, d, s16, s32, m0, m1, y + 16 * p, ldy);
+        for (int p = 0; p < N / 16; p++) qg_panel(kind, pw + p * pb, K, q, d, s16, s32, xs, m0, m1, y + 16 * p, ldy);
     }
 }
 
@@ -352,22 +344,16 @@ typedef struct { int n_parts, kind[3], N[3]; const uint8_t *pw[3]; } qg_linear;
 // y [M, N] = x [M, K] w^T (+ bias) by every thread of the enclosing parallel region (mm_team in
 // ops/cpu_kernels.c): one thread quantizes the rows, then the panels of all parts are shared out.
 void xinfer_qg_team(const qg_linear *w, const float *bias, const float *x, float *y, int M, int N, int K) {
-    int8_t *buf = NULL;
-    const size_t qn = (size_t)M * K, dn256 = (size_t)M * (K / 256 > 0 ? K / 256 : 1), dn32 = (size_t)M * (K / 32);
-    const size_t one = qn + sizeof(float) * dn32 + sizeof(int16_t) * ((size_t)M * (K / 16) + dn32);  // a block size's
-    #pragma omp single copyprivate(buf)
+    int8_t *q = NULL;
+    const size_t nb = (size_t)M * (K / 32);
+    #pragma omp single copyprivate(q)
     {
-        buf = malloc(2 * one + 64);
-        for (int qb = 0; qb < 2; qb++) {
-            int8_t *b = buf + qb * one;
-            int need = 0;
-            for (int i = 0; i < w->n_parts; i++) need |= (SB[w->kind[i]] == (qb ? 32 : 256));
-            if (need)
-                xinfer_qg_quant(x, M, K, qb ? 32 : 256, b, (float *)(b + qn), (int16_t *)(b + qn + sizeof(float) * dn32),
-                                (int16_t *)(b + qn + sizeof(float) * dn32) + (size_t)M * (K / 16));
-        }
+        q = malloc((size_t)M * K + nb * (2 * sizeof(float) + 3 * sizeof(int16_t)) + 64);
+        float *d = (float *)(q + (size_t)M * K);
+        xinfer_qg_quant(x, M, K, q, d, (int16_t *)(d + 2 * nb), (int16_t *)(d + 2 * nb) + 2 * nb, d + nb);
     }
-    (void)dn256;
+    const float *d = (const float *)(q + (size_t)M * K), *xs = d + nb;
+    const int16_t *s16 = (const int16_t *)(d + 2 * nb), *s32 = s16 + 2 * nb;
     int total = 0;
     for (int i = 0; i < w->n_parts; i++) total += w->N[i] / 16;
     #pragma omp for schedule(static)
@@ -375,21 +361,20 @@ void xinfer_qg_team(const qg_linear *w, const float *bias, const float *x, float
         int i = 0, p = g, col = 0;
         while (p >= w->N[i] / 16) { p -= w->N[i] / 16; col += w->N[i]; i++; }
         const int kind = w->kind[i];
-        const int8_t *b = buf + (SB[kind] == 32) * one;
-        const float *d = (const float *)(b + qn);
-        const int16_t *s16 = (const int16_t *)(b + qn + sizeof(float) * dn32), *s32 = s16 + (size_t)M * (K / 16);
         float *yp = y + col + 16 * p;
-        qg_panel(kind, w->pw[i] + (size_t)p * (K / SB[kind]) * SB_BYTES[kind], K, b, d, s16, s32, 0, M, yp, N);
+        qg_panel(kind, w->pw[i] + (size_t)p * (K / SB[kind]) * SB_BYTES[kind], K, q, d, s16, s32, xs, 0, M, yp, N);
         if (bias)
             for (int r = 0; r < M; r++)
                 for (int c = 0; c < 16; c++) yp[(size_t)r * N + c] += bias[col + 16 * p + c];
     }
     #pragma omp single
-    free(buf);
+    free(q);
 }
 #else
 void xinfer_qg_mm(int kind, const uint8_t *pw, int N, int K, const int8_t *q, const float *d, const int16_t *s16,
-                  const int16_t *s32, int M, float *y, int ldy) { (void)kind; (void)pw; (void)N; (void)K; (void)q; (void)d; (void)s16; (void)s32; (void)M; (void)y; (void)ldy; }
+                  const int16_t *s32, const float *xs, int M, float *y, int ldy) {
+    (void)kind; (void)pw; (void)N; (void)K; (void)q; (void)d; (void)s16; (void)s32; (void)xs; (void)M; (void)y; (void)ldy;
+}
 void xinfer_qg_team(const void *w, const float *bias, const float *x, float *y, int M, int N, int K) {
     (void)w; (void)bias; (void)x; (void)y; (void)M; (void)N; (void)K;
 }

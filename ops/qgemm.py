@@ -1,6 +1,6 @@
 """GGUF Q4_K, Q6_K and Q8_0 weights held once, in their own bits, for batches of every size
-(ops/cpu_qgemm.c): the activations quantized to 8 bits as llama.cpp does for these types, the dot
-products on the VNNI units. No float or bfloat16 copy of such a weight exists, so a model takes about
+(ops/cpu_qgemm.c): the activations quantized to 8 bits a value with a scale per 32 (as llama.cpp
+does for Q8_0 weights; finer than its Q8_K for the K-quants), the dot products on the VNNI units. No float or bfloat16 copy of such a weight exists, so a model takes about
 its file's size in memory, and prefill runs on the blocks at the integer units' rate.
 
 A `PackedWeight` is one linear's weight [N, K]; a fused one (QKV, gate-up) is several parts, each
@@ -18,7 +18,7 @@ from ops.cpu_kernels import lib
 from xinfer import envs
 
 KINDS = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2}
-_BLOCK = {0: 256, 1: 256, 2: 32}  # inputs a super-block (and a scale of the activations)
+_BLOCK = {0: 256, 1: 256, 2: 32}  # inputs a super-block
 
 
 def available() -> bool:
@@ -80,17 +80,12 @@ class PackedWeight:
         m, k = x.shape
         y = torch.empty(m, self.shape[0], dtype=torch.float32)
         so = lib()
-        acts = {}  # one quantization of x per block size the parts need
+        # the activations once for every part: int8 q, d and d * sum per 32, int16 sums per 16 and 32
+        acts = (torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // 32), torch.empty(m, k // 16, dtype=torch.int16),
+                torch.empty(m, k // 32, dtype=torch.int16), torch.empty(m, k // 32))
+        so.xinfer_qg_quant(x.data_ptr(), m, k, *(t.data_ptr() for t in acts))
         col = 0
         for kind, n, w in self.parts:
-            qb = _BLOCK[kind]
-            if qb not in acts:
-                a = (torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // qb), torch.empty(m, k // 16, dtype=torch.int16),
-                     torch.empty(m, k // 32, dtype=torch.int16))
-                so.xinfer_qg_quant(x.data_ptr(), m, k, qb, *(t.data_ptr() for t in a))
-                acts[qb] = a
-            q, d, s16, s32 = acts[qb]
-            so.xinfer_qg_mm(kind, w.data_ptr(), n, k, q.data_ptr(), d.data_ptr(), s16.data_ptr(), s32.data_ptr(), m,
-                            y[:, col:].data_ptr(), self.shape[0])
+            so.xinfer_qg_mm(kind, w.data_ptr(), n, k, *(t.data_ptr() for t in acts), m, y[:, col:].data_ptr(), self.shape[0])
             col += n
         return y

@@ -1,6 +1,6 @@
 """GGUF Q4_K / Q6_K / Q8_0 weights held once (ops/qgemm.py, ops/cpu_qgemm.c): the kernels against
 llama.cpp's numerics (gguf-py's dequantization of the same blocks times the activations quantized to 8
-bits as ggml's quantize_row_q8_K / q8_0 do), and a Q4_K_M-style model that holds no float copy and
+bits with a scale per 32 values, ggml's quantize_row_q8_0), and a Q4_K_M-style model that holds no float copy and
 stays within the fidelity budget of the exact float path."""
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ pytestmark = pytest.mark.skipif(not qgemm.available(), reason="no AVX512-VNNI he
 
 QUANT = {"Q4_K": lambda w: kquant.q4_k(w.reshape(-1, 256)), "Q6_K": lambda w: kquant.q6_k(w.reshape(-1, 256)),
          "Q8_0": lambda w: quantize(w, Q.Q8_0)}
-BLOCK = {"Q4_K": 256, "Q6_K": 256, "Q8_0": 32}
 
 
 def _weight(type_name, n, k, seed=0):
@@ -27,9 +26,9 @@ def _weight(type_name, n, k, seed=0):
     return b, torch.from_numpy(dequantize(b, Q[type_name]).reshape(n, k).astype(np.float32))
 
 
-def _q8(x: torch.Tensor, qb: int) -> torch.Tensor:
-    """x as ggml quantizes activations for these types: per qb values, d = max |x| / 127, round to nearest."""
-    xb = x.double().view(x.shape[0], -1, qb)
+def _q8(x: torch.Tensor) -> torch.Tensor:
+    """x as ggml's Q8_0 quantizes activations: per 32 values, d = max |x| / 127, round to nearest."""
+    xb = x.double().view(x.shape[0], -1, 32)
     d = xb.abs().amax(-1, keepdim=True) / 127
     return (torch.round(xb / torch.where(d > 0, d, 1)) * d).view_as(x)
 
@@ -43,7 +42,7 @@ def test_matmul_is_llama_cpp_arithmetic(type_name, n, k):
     for m in (1, 5, 6, 7, 13, 70):
         x = torch.randn(m, k)
         x[0, :7] = 0.0  # a block of zeros somewhere does no harm
-        ref = _q8(x, BLOCK[type_name]) @ wd.double().T
+        ref = _q8(x) @ wd.double().T
         y = pw(x)
         assert y.shape == (m, n) and y.dtype == torch.float32
         assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-6, (type_name, m)
