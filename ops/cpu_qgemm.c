@@ -177,7 +177,10 @@ void xinfer_qg_rows(int kind, const uint8_t *pw, int N, int K, const int64_t *id
     }
 }
 
-// Quantized activations: q [M, K] int8 with a scale d per 32 inputs (max |x| / 127, round to nearest), d
+// A row of quantized activations takes QLD(K) bytes: 4 KiB apart, a tile's rows would share their L1 sets.
+#define QLD(K) ((K) + 64)
+
+// Quantized activations: q [M, QLD(K)] int8 with a scale d per 32 inputs (max |x| / 127, round to nearest), d
 // [M, K / 32]; the integer sums s16 [M, K / 16] and s32 [M, K / 32] (int16), and xs [M, K / 32] = d * s32
 // (float), that the weights' offsets read.
 void xinfer_qg_quant(const float *x, int M, int K, int8_t *q, float *d, int16_t *s16, int16_t *s32, float *xs) {
@@ -189,7 +192,7 @@ void xinfer_qg_quant(const float *x, int M, int K, int8_t *q, float *d, int16_t 
             float amax = 0.f;
             for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
             const float dd = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-            int8_t *qo = q + (size_t)r * K + (size_t)b * 32;
+            int8_t *qo = q + (size_t)r * QLD(K) + (size_t)b * 32;
             int lo = 0, hi = 0;
             for (int i = 0; i < 32; i++) {
                 qo[i] = (int8_t)lrintf(xb[i] * id);
@@ -203,11 +206,12 @@ void xinfer_qg_quant(const float *x, int M, int K, int8_t *q, float *d, int16_t 
 }
 
 #if QG
+#define QPF 8192  // bytes ahead the tiles prefetch their weights
 #define RT 6  // rows a tile: 3 accumulators a row, 18 of the 32 vector registers
 
 static inline __m512i bcast(const int8_t *p) { int v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
 
-// One tile: R rows (x r * K apart, scales xd r * nsb apart, sums likewise) against panel w of nsb
+// One tile: R rows (x r * QLD(K) apart, scales xd r * nsb apart, sums likewise) against panel w of nsb
 // super-blocks, into y (ldy apart).
 static inline __attribute__((always_inline)) void tile_q4k(const uint8_t *w, int nsb, const int8_t *x, const float *xd,
                                                             const void *sums, int K, float *y, int ldy, int R) {
@@ -219,17 +223,21 @@ static inline __attribute__((always_inline)) void tile_q4k(const uint8_t *w, int
     for (int s = 0; s < nsb; s++, w += 2432) {
         const __m512 d = _mm512_loadu_ps((const float *)(w + 2304)), dm = _mm512_loadu_ps((const float *)(w + 2368));
         for (int j = 0; j < 8; j++) {
-            __m512i is[RT];
-            for (int r = 0; r < R; r++) is[r] = _mm512_setzero_si512();
+            // two chains a row (low and high nibbles): one row's step is bound by vpdpbusd's latency
+            __m512i is[RT], ih[RT];
+            for (int r = 0; r < R; r++) is[r] = ih[r] = _mm512_setzero_si512();
             for (int v = 0; v < 4; v++) {
+                // the weights stream from memory once a call: fetched a super-block or two ahead
+                _mm_prefetch((const char *)w + QPF + (j * 4 + v) * 76, _MM_HINT_T0);
                 __m512i W = _mm512_loadu_si512(w + (j * 4 + v) * 64);
                 __m512i lo = _mm512_and_si512(W, lo4), hi = _mm512_and_si512(_mm512_srli_epi16(W, 4), lo4);
                 const int8_t *xk = x + s * 256 + 32 * j + 4 * v;
                 for (int r = 0; r < R; r++) {
-                    is[r] = _mm512_dpbusd_epi32(is[r], lo, bcast(xk + (size_t)r * K));
-                    is[r] = _mm512_dpbusd_epi32(is[r], hi, bcast(xk + (size_t)r * K + 16));
+                    is[r] = _mm512_dpbusd_epi32(is[r], lo, bcast(xk + (size_t)r * QLD(K)));
+                    ih[r] = _mm512_dpbusd_epi32(ih[r], hi, bcast(xk + (size_t)r * QLD(K) + 16));
                 }
             }
+            for (int r = 0; r < R; r++) is[r] = _mm512_add_epi32(is[r], ih[r]);
             const __m512 sc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 2048 + 16 * j)))));
             const __m512 mn = _mm512_mul_ps(dm, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 2176 + 16 * j)))));
             for (int r = 0; r < R; r++) {
@@ -254,11 +262,12 @@ static inline __attribute__((always_inline)) void tile_q6k(const uint8_t *w, int
             __m512i ia[RT], ib[RT];
             for (int r = 0; r < R; r++) ia[r] = ib[r] = _mm512_setzero_si512();
             for (int v = 0; v < 4; v++) {
+                _mm_prefetch((const char *)w + QPF + (j * 4 + v) * 146, _MM_HINT_T0);
                 const __m512i Wa = _mm512_loadu_si512(w + (j * 8 + v) * 64), Wb = _mm512_loadu_si512(w + (j * 8 + 4 + v) * 64);
                 const int8_t *xk = x + s * 256 + 32 * j + 4 * v;
                 for (int r = 0; r < R; r++) {
-                    ia[r] = _mm512_dpbusd_epi32(ia[r], Wa, bcast(xk + (size_t)r * K));
-                    ib[r] = _mm512_dpbusd_epi32(ib[r], Wb, bcast(xk + (size_t)r * K + 16));
+                    ia[r] = _mm512_dpbusd_epi32(ia[r], Wa, bcast(xk + (size_t)r * QLD(K)));
+                    ib[r] = _mm512_dpbusd_epi32(ib[r], Wb, bcast(xk + (size_t)r * QLD(K) + 16));
                 }
             }
             const __m512i sa = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 4096 + 32 * j)));
@@ -282,13 +291,18 @@ static inline __attribute__((always_inline)) void tile_q80(const uint8_t *w, int
     __m512 accf[RT];
     for (int r = 0; r < R; r++) accf[r] = _mm512_setzero_ps();
     for (int s = 0; s < nsb; s++, w += 576) {
-        __m512i is[RT];
-        for (int r = 0; r < R; r++) is[r] = _mm512_setzero_si512();
-        for (int v = 0; v < 8; v++) {
-            __m512i W = _mm512_loadu_si512(w + v * 64);
+        __m512i is[RT], ih[RT];
+        for (int r = 0; r < R; r++) is[r] = ih[r] = _mm512_setzero_si512();
+        for (int v = 0; v < 4; v++) {
+            _mm_prefetch((const char *)w + QPF + v * 144, _MM_HINT_T0);
+            const __m512i W0 = _mm512_loadu_si512(w + v * 64), W1 = _mm512_loadu_si512(w + (v + 4) * 64);
             const int8_t *xk = x + s * 32 + 4 * v;
-            for (int r = 0; r < R; r++) is[r] = _mm512_dpbusd_epi32(is[r], W, bcast(xk + (size_t)r * K));
+            for (int r = 0; r < R; r++) {
+                is[r] = _mm512_dpbusd_epi32(is[r], W0, bcast(xk + (size_t)r * QLD(K)));
+                ih[r] = _mm512_dpbusd_epi32(ih[r], W1, bcast(xk + (size_t)r * QLD(K) + 16));
+            }
         }
+        for (int r = 0; r < R; r++) is[r] = _mm512_add_epi32(is[r], ih[r]);
         __m512 d = _mm512_loadu_ps((const float *)(w + 512));
         for (int r = 0; r < R; r++) {  // the weights came as q + 128
             __m512i t = _mm512_sub_epi32(is[r], _mm512_set1_epi32(128 * (int)s32[(size_t)r * (K / 32) + s]));
@@ -313,7 +327,7 @@ static void qg_panel(int kind, const uint8_t *w, int K, const int8_t *q, const f
     const int nsb = K / SB[kind];
     for (int r0 = m0; r0 < m1; r0 += RT) {
         const int R = m1 - r0 < RT ? m1 - r0 : RT;
-        const int8_t *xq = q + (size_t)r0 * K;
+        const int8_t *xq = q + (size_t)r0 * QLD(K);
         const float *xd = d + (size_t)r0 * (K / 32);
         float *yt = y + (size_t)r0 * ldy;
         if (kind == 0) { const float *ss = xs + (size_t)r0 * (K / 32); TILE_CASES(tile_q4k, ss) }
@@ -348,11 +362,11 @@ void xinfer_qg_team(const qg_linear *w, const float *bias, const float *x, float
     const size_t nb = (size_t)M * (K / 32);
     #pragma omp single copyprivate(q)
     {
-        q = malloc((size_t)M * K + nb * (2 * sizeof(float) + 3 * sizeof(int16_t)) + 64);
-        float *d = (float *)(q + (size_t)M * K);
+        q = malloc((size_t)M * QLD(K) + nb * (2 * sizeof(float) + 3 * sizeof(int16_t)) + 64);
+        float *d = (float *)(q + (size_t)M * QLD(K));
         xinfer_qg_quant(x, M, K, q, d, (int16_t *)(d + 2 * nb), (int16_t *)(d + 2 * nb) + 2 * nb, d + nb);
     }
-    const float *d = (const float *)(q + (size_t)M * K), *xs = d + nb;
+    const float *d = (const float *)(q + (size_t)M * QLD(K)), *xs = d + nb;
     const int16_t *s16 = (const int16_t *)(d + 2 * nb), *s32 = s16 + 2 * nb;
     int total = 0;
     for (int i = 0; i < w->n_parts; i++) total += w->N[i] / 16;

@@ -53,7 +53,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     bfloat16 (it also takes bfloat16 activations as they are), else float32. `out_bf16`: where a
     bfloat16 `fast` runs, leave the output in bfloat16 (what the next bfloat16 GEMM reads anyway: no
     cast back and forth)."""
-    held = blocks is not None and not weight.numel()  # held only as blocks (ops/qgemm.py): every batch
+    held = blocks is not None and fast is None and not weight.numel()  # only as blocks (ops/qgemm.py): every batch
     if blocks is not None and (held or (0 < x.shape[0] <= blocks.max_rows and x.dim() == 2)) \
             and x.dtype in (torch.float32, torch.bfloat16):
         y = blocks(x.reshape(-1, x.shape[-1]).float()).view(*x.shape[:-1], -1)

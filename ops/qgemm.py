@@ -80,8 +80,9 @@ class PackedWeight:
         m, k = x.shape
         y = torch.empty(m, self.shape[0], dtype=torch.float32)
         so = lib()
-        # the activations once for every part: int8 q, d and d * sum per 32, int16 sums per 16 and 32
-        acts = (torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // 32), torch.empty(m, k // 16, dtype=torch.int16),
+        # the activations once for every part: int8 q (rows padded, cpu_qgemm.c QLD), d per 32, int16 sums
+        # per 16 and 32, d * sum per 32
+        acts = (torch.empty(m, k + 64, dtype=torch.int8), torch.empty(m, k // 32), torch.empty(m, k // 16, dtype=torch.int16),
                 torch.empty(m, k // 32, dtype=torch.int16), torch.empty(m, k // 32))
         so.xinfer_qg_quant(x.data_ptr(), m, k, *(t.data_ptr() for t in acts))
         col = 0

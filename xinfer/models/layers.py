@@ -327,19 +327,21 @@ def attach_fast(model: nn.Module, matmul: str) -> int:
     """The weights that the batches the GGUF blocks do not take multiply with, packed once
     (ops/linear.py pack), and the blocks' arithmetic (--cpu-matmul, ops/quant.py QuantWeight.use).
     bfloat16: a bfloat16 copy for each Linear and the LM head. float32 and int16 (whose GEMMs are
-    float32): the Linears that have blocks. A Linear with blocks no longer reads its plain weight
-    (small batches read the blocks, the rest the packed one): it is freed, so the model takes no
-    more memory than before (less in bfloat16). Returns how many weights were packed."""
+    float32): the Linears that have blocks. A Linear with a packed weight no longer reads its plain
+    one (small batches read the blocks, the rest the packed weight): it is freed, so a bfloat16
+    checkpoint is held once, in bfloat16, not also widened to float32. Returns how many weights were
+    packed."""
     bf16 = matmul == "bfloat16"
     dtype = torch.bfloat16 if bf16 else torch.float32
+    head_lin = None if getattr(model, "tied", True) else getattr(model, "lm_head", None)  # packed below, once
     n = 0
     for mod in model.modules():
-        if isinstance(mod, Linear) and isinstance(mod.blocks, PackedWeight):
+        if isinstance(mod, Linear) and isinstance(mod.blocks, PackedWeight) or mod is head_lin:
             continue  # every batch reads its blocks
         if isinstance(mod, Linear) and (bf16 or mod.blocks is not None):
             mod.fast = pack(mod.weight.data, dtype)
+            mod.weight.data = torch.empty(0, dtype=mod.weight.dtype)
             if mod.blocks is not None:
-                mod.weight.data = torch.empty(0, dtype=mod.weight.dtype)
                 mod.blocks.use(matmul)
             n += 1
     if getattr(model, "head_blocks", None) is not None:
@@ -349,4 +351,6 @@ def attach_fast(model: nn.Module, matmul: str) -> int:
     if bf16 and tp.last_stage() and not isinstance(getattr(model, "head_blocks", None), PackedWeight):
         head = model.model.embed_tokens.weight if model.tied else model.lm_head.weight
         model.head_fast = pack(head.data, dtype)
+        if head_lin is not None:  # an own head is read packed (the blocks take the small batches); a tied one is the table
+            head_lin.weight.data = torch.empty(0, dtype=head_lin.weight.dtype)
     return n
