@@ -12,8 +12,9 @@
 //   Q4_K (kind 0), 2,432 bytes: 8 sub-blocks x 4 vectors of nibbles (vector v of sub-block j: k-group
 //        v in the low nibbles, v + 4 in the high ones); sc[8][16] and mn[8][16] as bytes (the 6-bit
 //        scales and mins); d[16], dmin[16] float32.
-//   Q6_K (kind 1), 4,672 bytes: 64 vectors of q (0..63) as bytes; sc[16][16] int8, scp[8][16][2] int8
-//        (the same scales pairwise); d[16] float32.
+//   Q6_K (kind 1), 3,392 bytes: the low 4 bits of q (0..63) as Q4_K's nibbles; per 32 inputs j, two
+//        vectors of the high 2 bits (the first for k-groups 8j .. 8j + 3, bits 2v of a byte for group
+//        8j + v; the second for 8j + 4 ..); sc[16][16] int8; d[16] float32.
 //   Q8_0 (kind 2), 576 bytes: 8 vectors of q + 128 as bytes; d[16] float32.
 #include <stdint.h>
 #include <stdlib.h>
@@ -31,7 +32,7 @@
 int xinfer_qg_available(void) { return QG; }
 
 static const int SB[3] = {256, 256, 32};        // inputs a super-block
-static const int SB_BYTES[3] = {2432, 4672, 576}; // bytes a (panel, super-block)
+static const int SB_BYTES[3] = {2432, 3392, 576}; // bytes a (panel, super-block)
 
 long xinfer_qg_bytes(int kind, int N, int K) { return (long)(N / 16) * (K / SB[kind]) * SB_BYTES[kind]; }
 
@@ -117,15 +118,19 @@ void xinfer_qg_pack(int kind, const uint8_t *src, int N, int K, uint8_t *out) {
                 memcpy(o, d, 64);
                 memcpy(o + 64, dm, 64);
             } else if (kind == 1) {
-                for (int g = 0; g < 64; g++)
-                    for (int c = 0; c < 16; c++)
-                        for (int t = 0; t < 4; t++) o[g * 64 + 4 * c + t] = q[c][4 * g + t];
-                o += 4096;
+                memset(o + 2048, 0, 1024);
+                for (int j = 0; j < 8; j++)
+                    for (int v = 0; v < 4; v++)
+                        for (int c = 0; c < 16; c++)
+                            for (int t = 0; t < 4; t++) {
+                                const int a = q[c][32 * j + 4 * v + t], b = q[c][32 * j + 16 + 4 * v + t];
+                                o[(j * 4 + v) * 64 + 4 * c + t] = (a & 15) | (b & 15) << 4;
+                                o[2048 + j * 128 + 4 * c + t] |= (a >> 4) << (2 * v);
+                                o[2048 + j * 128 + 64 + 4 * c + t] |= (b >> 4) << (2 * v);
+                            }
+                o += 3072;
                 for (int j = 0; j < 16; j++) for (int c = 0; c < 16; c++) o[16 * j + c] = (uint8_t)(int8_t)sc[c][j];
-                o += 256;
-                for (int i = 0; i < 8; i++) for (int c = 0; c < 16; c++) { o[32 * i + 2 * c] = (uint8_t)(int8_t)sc[c][2 * i]; o[32 * i + 2 * c + 1] = (uint8_t)(int8_t)sc[c][2 * i + 1]; }
-                o += 256;
-                memcpy(o, d, 64);
+                memcpy(o + 256, d, 64);
             } else {
                 for (int g = 0; g < 8; g++)
                     for (int c = 0; c < 16; c++)
@@ -162,10 +167,12 @@ void xinfer_qg_rows(int kind, const uint8_t *pw, int N, int K, const int64_t *id
                 }
             } else if (kind == 1) {
                 float d;
-                memcpy(&d, w + 4608 + 4 * c, 4);
-                for (int g = 0; g < 64; g++) {
-                    const float sc = d * (int8_t)w[4096 + 16 * (g / 4) + c];
-                    for (int t = 0; t < 4; t++) o[4 * g + t] = sc * (w[g * 64 + 4 * c + t] - 32);
+                memcpy(&d, w + 3328 + 4 * c, 4);
+                for (int i = 0; i < 256; i++) {
+                    const int j = i / 32, hi = (i % 32) >= 16, v = (i % 16) / 4, t = i % 4;
+                    const uint8_t b = w[(j * 4 + v) * 64 + 4 * c + t];
+                    const int q = (hi ? b >> 4 : b & 15) | ((w[2048 + j * 128 + 64 * hi + 4 * c + t] >> (2 * v)) & 3) << 4;
+                    o[i] = d * (int8_t)w[3072 + 16 * (i / 16) + c] * (q - 32);
                 }
             } else {
                 float d;
@@ -254,25 +261,32 @@ static inline __attribute__((always_inline)) void tile_q6k(const uint8_t *w, int
                                                             const void *sums, int K, float *y, int ldy, int R) {
     const int16_t *s16 = sums;  // the sum of each 16 inputs (the -32 offset's term)
     const int nb = K / 32;
+    const __m512i lo4 = _mm512_set1_epi8(15), hi2 = _mm512_set1_epi8(0x30);
     __m512 accf[RT];
     for (int r = 0; r < R; r++) accf[r] = _mm512_setzero_ps();
-    for (int s = 0; s < nsb; s++, w += 4672) {
-        const __m512 d = _mm512_loadu_ps((const float *)(w + 4608));
+    for (int s = 0; s < nsb; s++, w += 3392) {
+        const __m512 d = _mm512_loadu_ps((const float *)(w + 3328));
         for (int j = 0; j < 8; j++) {  // 32 inputs: sub-blocks 2j and 2j + 1, one activation scale
             __m512i ia[RT], ib[RT];
             for (int r = 0; r < R; r++) ia[r] = ib[r] = _mm512_setzero_si512();
+            const __m512i H0 = _mm512_loadu_si512(w + 2048 + j * 128), H1 = _mm512_loadu_si512(w + 2048 + j * 128 + 64);
             for (int v = 0; v < 4; v++) {
-                _mm_prefetch((const char *)w + QPF + (j * 4 + v) * 146, _MM_HINT_T0);
-                const __m512i Wa = _mm512_loadu_si512(w + (j * 8 + v) * 64), Wb = _mm512_loadu_si512(w + (j * 8 + 4 + v) * 64);
+                _mm_prefetch((const char *)w + QPF + (j * 4 + v) * 106, _MM_HINT_T0);
+                const __m512i L = _mm512_loadu_si512(w + (j * 4 + v) * 64);
+                // bits 2v, 2v + 1 of each high-bits byte to bits 4, 5 (16-bit shifts keep them in their byte)
+                const __m512i ha = v < 2 ? _mm512_slli_epi16(H0, 4 - 2 * v) : _mm512_srli_epi16(H0, 2 * v - 4);
+                const __m512i hb = v < 2 ? _mm512_slli_epi16(H1, 4 - 2 * v) : _mm512_srli_epi16(H1, 2 * v - 4);
+                const __m512i Wa = _mm512_or_si512(_mm512_and_si512(L, lo4), _mm512_and_si512(ha, hi2));
+                const __m512i Wb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), lo4), _mm512_and_si512(hb, hi2));
                 const int8_t *xk = x + s * 256 + 32 * j + 4 * v;
                 for (int r = 0; r < R; r++) {
                     ia[r] = _mm512_dpbusd_epi32(ia[r], Wa, bcast(xk + (size_t)r * QLD(K)));
                     ib[r] = _mm512_dpbusd_epi32(ib[r], Wb, bcast(xk + (size_t)r * QLD(K) + 16));
                 }
             }
-            const __m512i sa = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 4096 + 32 * j)));
-            const __m512i sb = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 4096 + 32 * j + 16)));
-            const __m512i sp = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + 4352 + 32 * j)));
+            const __m128i a16 = _mm_loadu_si128((const __m128i *)(w + 3072 + 32 * j)), b16 = _mm_loadu_si128((const __m128i *)(w + 3088 + 32 * j));
+            const __m512i sa = _mm512_cvtepi8_epi32(a16), sb = _mm512_cvtepi8_epi32(b16);
+            const __m512i sp = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a16, b16), _mm_unpacklo_epi8(a16, b16)));
             for (int r = 0; r < R; r++) {
                 int pair;
                 memcpy(&pair, s16 + (size_t)r * 2 * nb + s * 16 + 2 * j, 4);

@@ -121,3 +121,34 @@ def test_q4_k_m_model_holds_no_float_copy(tmp_path):
     kld = (p.exp() * (p - q)).sum(-1).mean().item()
     same_top = (p.argmax(-1) == q.argmax(-1)).float().mean().item()
     assert kld < 0.002 and same_top >= 0.95, (kld, same_top)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k"])
+def test_isq_holds_blocks_alone(tmp_path, monkeypatch, fmt):
+    """--isq on the fast path: the Linears' and the head's blocks are held alone (their float weights
+    freed; a tied table would stay for the embedding), within the fidelity budget of the exact float32
+    path on the same blocks."""
+    from tests.test_quantized import _llama
+    from xinfer import Engine, EngineConfig
+    monkeypatch.setenv("XINFER_CACHE_DIR", str(tmp_path / "cache"))
+    _llama(hidden=256, inter=512, layers=2, vocab=256).save_pretrained(tmp_path / "m")
+    prompt = [int(t) for t in np.random.default_rng(1).integers(0, 256, 48)]
+    lps = {}
+    for matmul in ("float32", "bfloat16"):
+        e = Engine(EngineConfig(model=str(tmp_path / "m"), isq=fmt, cpu_matmul=matmul, num_kv_blocks=32, block_size=4),
+                   log_level="warning")
+        try:
+            m = e.runner.model
+            lins = [x for x in m.modules() if type(x).__name__ == "Linear" and x is not m.lm_head]
+            held = matmul == "bfloat16"
+            assert all(isinstance(x.blocks, qgemm.PackedWeight) == held for x in lins)
+            assert isinstance(m.head_blocks, qgemm.PackedWeight) == held
+            if held:
+                assert all(x.weight.numel() == 0 and x.fast is None for x in lins) and m.lm_head.weight.numel() == 0
+            lps[matmul] = e.runner.log_probs(prompt, chunk=5)
+        finally:
+            e.close()
+    p, q = lps["float32"], lps["bfloat16"]
+    kld = (p.exp() * (p - q)).sum(-1).mean().item()
+    # a tiny random model has near ties: the mean KLD is the budget that matters
+    assert kld < 0.002 and (p.argmax(-1) == q.argmax(-1)).float().mean().item() >= 0.9, kld

@@ -24,6 +24,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize as gguf_quantize
 
+from ops import qgemm
 from ops.quant import QuantWeight
 from xinfer import envs
 from xinfer.config import ISQ_FORMATS
@@ -123,10 +124,11 @@ def cache_key(folder: str, fmt: str) -> str:
     return hashlib.sha256(json.dumps([_VERSION, fmt, str(Path(folder).resolve()), stats]).encode()).hexdigest()[:32]
 
 
-def apply_isq(model, fmt: str, folder: str | None) -> int:
+def apply_isq(model, fmt: str, folder: str | None, held: bool = False) -> int:
     """Attach GGUF blocks in `fmt` to every target weight of `model`; `folder`: the checkpoint,
-    whose blocks are cached (None: a model with random weights, never cached). Returns how many
-    weights got blocks."""
+    whose blocks are cached (None: a model with random weights, never cached). `held`: Q4_K / Q6_K /
+    Q8_0 blocks of Linears and the head are held alone (ops/qgemm.py) and their float weights freed.
+    Returns how many weights got blocks."""
     t0 = time.monotonic()
     want = targets(model, fmt)
     params = dict(model.named_parameters())
@@ -137,14 +139,25 @@ def apply_isq(model, fmt: str, folder: str | None) -> int:
         blocks = {name: quantize(params[name].data.flatten(0, -2), f) for name, (_, f) in want.items()}
         if path:
             _write_cache(path, blocks)
+    n_held = 0
     for name, (owner, f) in want.items():
-        q = QuantWeight.from_gguf(f.upper(), blocks[name].numpy(), _rows(params[name]))
+        shape = _rows(params[name])
+        if held and not hasattr(owner, "attach") and qgemm.fits(f.upper(), shape):
+            q = qgemm.PackedWeight.from_gguf(f.upper(), blocks[name].numpy(), shape)
+            tied = owner is model and getattr(model, "tied", False)
+            if not tied:  # a tied head's table stays for the embedding
+                params[name].data = torch.empty(0, dtype=params[name].dtype)
+            n_held += 1
+        else:
+            q = QuantWeight.from_gguf(f.upper(), blocks[name].numpy(), shape)
         if owner is model:
             model.head_blocks = q
         elif hasattr(owner, "attach"):  # experts
             owner.attach(name.rsplit(".", 1)[1], q)
         else:
             owner.blocks = q
+    if n_held:
+        log.info("--isq %s: %d weights held as blocks alone (8-bit activations, VNNI), no float copy", fmt, n_held)
     log.info("--isq %s: %d weights as GGUF blocks (head %s, %s beside the float weights), %s in %.1fs", fmt,
              len(want), HEAD_FORMAT, size(sum(b.numel() for b in blocks.values())),
              f"read from {path}" if hit else "quantized" + (f", cached in {path}" if path else ""),

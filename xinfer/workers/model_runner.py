@@ -105,8 +105,9 @@ class ModelRunner:
         ckpt_blocks = [] if kernels and info.quant is not None and not self.config.isq else None
         gguf_blocks = kernels and info.kind == "gguf" and info.gguf.quantized
         # 8-bit activations as llama.cpp's: a fast path, so --cpu-matmul float32 keeps the exact blocks
-        packed = gguf_blocks and self.device.type == "cpu" and tp.world_size() == 1 and qgemm.available() \
+        fast_blocks = self.device.type == "cpu" and tp.world_size() == 1 and qgemm.available() \
             and self.config.cpu_matmul != "float32"
+        packed = gguf_blocks and fast_blocks
         held = (lambda m: hold_packed(m, ((name, PackedWeight.from_gguf(*b)) for name, *b in
                                           info.gguf.quantized_blocks(getattr(m, "keeps", None), drop=True)
                                           if qgemm.fits(*b[::2])),
@@ -125,7 +126,7 @@ class ModelRunner:
             if info.kind == "gguf":
                 log.info("--isq %s: %s is a GGUF file, its own tensor types stay", self.config.isq, info.name)
             else:
-                apply_isq(model, self.config.isq, info.path if info.kind == "hf" else None)
+                apply_isq(model, self.config.isq, info.path if info.kind == "hf" else None, held=fast_blocks)
         elif ckpt_blocks:
             n = attach_blocks(model, ckpt_blocks, model.remap)
             log.info("%s: %d of %d quantized weights read in place by the block kernels (the small batches)",
