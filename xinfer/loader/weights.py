@@ -49,6 +49,22 @@ def build_model(info: ModelInfo, dtype: torch.dtype, device: torch.device, block
     return model.eval()
 
 
+def gguf_held(gguf):
+    """build_model's `held` for a quantized GGUF on the fast path: its Q4_K / Q6_K / Q8_0 matrices packed
+    straight from the mapped file (ops/qgemm.py), each tensor's pages given back once packed."""
+    from ops import qgemm
+    from xinfer.models.layers import hold_packed
+
+    def held(model) -> set[str]:
+        blocks = ((name, qgemm.PackedWeight.from_gguf(kind, b, shape)) for name, kind, b, shape in
+                  gguf.quantized_blocks(getattr(model, "keeps", None), drop=True) if qgemm.fits(kind, shape))
+        names = hold_packed(model, blocks, model.remap)
+        log.info("GGUF Q4_K / Q6_K / Q8_0 blocks held for %d weights, no float copy (8-bit activations, VNNI)",
+                 len(model.held))
+        return names
+    return held
+
+
 def _random_init(model):
     g = torch.Generator().manual_seed(0)
     for name, p in model.named_parameters():

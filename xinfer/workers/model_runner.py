@@ -11,7 +11,6 @@ import torch
 
 from ops import cpu_isa, cpu_kernels, qgemm
 from ops.attention import get_backend
-from ops.qgemm import PackedWeight
 from ops.quant import QuantWeight
 from ops.sampling import on_device, sample
 from ops.speculative import verify
@@ -21,8 +20,8 @@ from xinfer.config import EngineConfig
 from xinfer.ipc.step import StepPlan, StepResult, pack_ids, unpack_ids
 from xinfer.loader import ModelInfo, load_model_info
 from xinfer.loader.isq import apply_isq
-from xinfer.loader.weights import build_model
-from xinfer.models.layers import attach_blocks, attach_fast, hold_packed
+from xinfer.loader.weights import build_model, gguf_held
+from xinfer.models.layers import attach_blocks, attach_fast
 from xinfer.workers import graphs, kv_memory, outputs, pipeline
 from xinfer.workers.batch import WorkerSeq, drafted, forward, sampling_batch
 from xinfer.workers.drafter import Drafter
@@ -107,15 +106,8 @@ class ModelRunner:
         # 8-bit activations as llama.cpp's: a fast path, so --cpu-matmul float32 keeps the exact blocks
         fast_blocks = self.device.type == "cpu" and tp.world_size() == 1 and qgemm.available() \
             and self.config.cpu_matmul != "float32"
-        packed = gguf_blocks and fast_blocks
-        held = (lambda m: hold_packed(m, ((name, PackedWeight.from_gguf(*b)) for name, *b in
-                                          info.gguf.quantized_blocks(getattr(m, "keeps", None), drop=True)
-                                          if qgemm.fits(*b[::2])),
-                                      m.remap)) if packed else None
+        held = gguf_held(info.gguf) if gguf_blocks and fast_blocks else None
         model = build_model(dataclasses.replace(info, config=cfg), self.dtype, self.device, ckpt_blocks, held)
-        if packed:
-            log.info("GGUF Q4_K / Q6_K / Q8_0 blocks held for %d weights, no float copy (8-bit activations, VNNI)",
-                     len(model.held))
         if gguf_blocks:
             skip = getattr(model, "held_names", set())
             n = attach_blocks(model, ((name, QuantWeight.from_gguf(*b)) for name, *b in info.gguf.quantized_blocks(getattr(model, "keeps", None))
