@@ -61,8 +61,8 @@ static void k4_scales(const uint8_t *q, uint8_t *sc, uint8_t *mn) {
 }
 
 // One column's super-block as plain integers: Q4_K q[256], sc[8], mn[8], d, dmin; Q6_K q[256] (0..63),
-// sc[16], d; Q8_0 q[32] (-128..127), d. The bit layouts are ggml's (ggml-quants.c dequantize_row_*).
-static void unpack_col(int kind, const uint8_t *b, int *q, int *sc, int *mn, float *d, float *dmin) {
+// sc[16], d; Q8_0 q[32] + 128 (0..255), d. The bit layouts are ggml's (ggml-quants.c dequantize_row_*).
+static void unpack_col(int kind, const uint8_t *b, uint8_t *q, int *sc, int *mn, float *d, float *dmin) {
     if (kind == 0) {
         *d = half_to_float(b[0] | b[1] << 8);
         *dmin = half_to_float(b[2] | b[3] << 8);
@@ -80,7 +80,7 @@ static void unpack_col(int kind, const uint8_t *b, int *q, int *sc, int *mn, flo
         for (int h = 0; h < 2; h++)  // two halves of 128
             for (int l = 0; l < 32; l++) {
                 const uint8_t *L = ql + 64 * h, *H = qh + 32 * h;
-                int *o = q + 128 * h;
+                uint8_t *o = q + 128 * h;
                 o[l] = (L[l] & 15) | (((H[l] >> 0) & 3) << 4);
                 o[l + 32] = (L[l + 32] & 15) | (((H[l] >> 2) & 3) << 4);
                 o[l + 64] = (L[l] >> 4) | (((H[l] >> 4) & 3) << 4);
@@ -88,7 +88,7 @@ static void unpack_col(int kind, const uint8_t *b, int *q, int *sc, int *mn, flo
             }
     } else {
         *d = half_to_float(b[0] | b[1] << 8);
-        for (int l = 0; l < 32; l++) q[l] = (int8_t)b[2 + l];
+        for (int l = 0; l < 32; l++) q[l] = (uint8_t)(b[2 + l] ^ 0x80);  // q + 128
     }
 }
 
@@ -98,7 +98,8 @@ void xinfer_qg_pack(int kind, const uint8_t *src, int N, int K, uint8_t *out) {
     const int sb = SB[kind], nsb = K / sb, bb = kind == 0 ? 144 : kind == 1 ? 210 : 34;
     #pragma omp parallel for schedule(static)
     for (int p = 0; p < N / 16; p++) {
-        int q[16][256], sc[16][16], mn[16][8];
+        uint8_t q[16][256];  // Q8_0's as q + 128
+        int sc[16][16], mn[16][8];
         float d[16], dm[16];
         for (int s = 0; s < nsb; s++) {
             for (int c = 0; c < 16; c++)
@@ -134,7 +135,7 @@ void xinfer_qg_pack(int kind, const uint8_t *src, int N, int K, uint8_t *out) {
             } else {
                 for (int g = 0; g < 8; g++)
                     for (int c = 0; c < 16; c++)
-                        for (int t = 0; t < 4; t++) o[g * 64 + 4 * c + t] = (uint8_t)(q[c][4 * g + t] + 128);
+                        for (int t = 0; t < 4; t++) o[g * 64 + 4 * c + t] = q[c][4 * g + t];
                 memcpy(o + 512, d, 64);
             }
         }
