@@ -102,7 +102,7 @@ def load(src: Path):
     so.xinfer_qg_bytes.argtypes = [i, i, i]
     so.xinfer_qg_pack.argtypes = [i, p, i, i, p]
     so.xinfer_qg_quant.argtypes = [p, i, i, p, p, p, p, p]
-    so.xinfer_qg_rows.argtypes = [i, p, i, i, p, i, p]
+    so.xinfer_qg_rows.argtypes = [i, p, i, p, i, p]
     so.xinfer_qg_mm.argtypes = [i, p, i, i, p, p, p, p, p, i, p, i]
     return so
 

@@ -21,9 +21,9 @@
 #include <string.h>
 #include <math.h>
 #include <omp.h>
+#include <immintrin.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#include <immintrin.h>
 #define QG 1
 #else
 #define QG 0
@@ -36,21 +36,6 @@ static const int SB_BYTES[3] = {2432, 3392, 576}; // bytes a (panel, super-block
 
 long xinfer_qg_bytes(int kind, int N, int K) { return (long)(N / 16) * (K / SB[kind]) * SB_BYTES[kind]; }
 
-static inline float half_to_float(uint16_t h) {
-    uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023, u;
-    if (e == 0) {
-        if (m == 0) u = s;
-        else {  // subnormal: normalize
-            e = 127 - 15 + 1;
-            while (!(m & 1024)) { m <<= 1; e--; }
-            u = s | (e << 23) | ((m & 1023) << 13);
-        }
-    } else if (e == 31) u = s | 0x7f800000 | (m << 13);
-    else u = s | ((e + 127 - 15) << 23) | (m << 13);
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 // Q4_K / Q5_K: twelve bytes -> eight 6-bit scales and eight 6-bit mins (ggml's get_scale_min_k4)
 static void k4_scales(const uint8_t *q, uint8_t *sc, uint8_t *mn) {
@@ -64,8 +49,8 @@ static void k4_scales(const uint8_t *q, uint8_t *sc, uint8_t *mn) {
 // sc[16], d; Q8_0 q[32] + 128 (0..255), d. The bit layouts are ggml's (ggml-quants.c dequantize_row_*).
 static void unpack_col(int kind, const uint8_t *b, uint8_t *q, int *sc, int *mn, float *d, float *dmin) {
     if (kind == 0) {
-        *d = half_to_float(b[0] | b[1] << 8);
-        *dmin = half_to_float(b[2] | b[3] << 8);
+        *d = _cvtsh_ss(b[0] | b[1] << 8);
+        *dmin = _cvtsh_ss(b[2] | b[3] << 8);
         uint8_t s8[8], m8[8];
         k4_scales(b + 4, s8, m8);
         for (int j = 0; j < 8; j++) { sc[j] = s8[j]; mn[j] = m8[j]; }
@@ -75,7 +60,7 @@ static void unpack_col(int kind, const uint8_t *b, uint8_t *q, int *sc, int *mn,
     } else if (kind == 1) {
         const uint8_t *ql = b, *qh = b + 128;
         const int8_t *s = (const int8_t *)(b + 192);
-        *d = half_to_float(b[208] | b[209] << 8);
+        *d = _cvtsh_ss(b[208] | b[209] << 8);
         for (int j = 0; j < 16; j++) sc[j] = s[j];
         for (int h = 0; h < 2; h++)  // two halves of 128
             for (int l = 0; l < 32; l++) {
@@ -87,7 +72,7 @@ static void unpack_col(int kind, const uint8_t *b, uint8_t *q, int *sc, int *mn,
                 o[l + 96] = (L[l + 32] >> 4) | (((H[l] >> 6) & 3) << 4);
             }
     } else {
-        *d = half_to_float(b[0] | b[1] << 8);
+        *d = _cvtsh_ss(b[0] | b[1] << 8);
         for (int l = 0; l < 32; l++) q[l] = (uint8_t)(b[2 + l] ^ 0x80);  // q + 128
     }
 }
@@ -142,11 +127,10 @@ void xinfer_qg_pack(int kind, const uint8_t *src, int N, int K, uint8_t *out) {
     }
 }
 
-// Rows ids[0 .. n - 1] of the packed weights [N, K] as float32 (out [n, K]), exactly as ggml
+// Rows ids[0 .. n - 1] of packed weights [N, K] as float32 (out [n, K]), exactly as ggml
 // dequantizes them: an embedding table held once, in the head's blocks.
-void xinfer_qg_rows(int kind, const uint8_t *pw, int N, int K, const int64_t *ids, int n, float *out) {
+void xinfer_qg_rows(int kind, const uint8_t *pw, int K, const int64_t *ids, int n, float *out) {
     const int sb = SB[kind], nsb = K / sb;
-    (void)N;
     #pragma omp parallel for schedule(static) if (n > 8)
     for (int i = 0; i < n; i++) {
         const int p = (int)(ids[i] / 16), c = (int)(ids[i] % 16);

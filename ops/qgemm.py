@@ -66,14 +66,11 @@ class PackedWeight:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the weight in float32, as GGUF dequantizes them (an embedding lookup)."""
-        (kind, n, w), = self.parts
+        (kind, _, w), = self.parts
         flat = ids.reshape(-1).to(torch.int64).contiguous()
         out = torch.empty(flat.numel(), self.shape[1])
-        lib().xinfer_qg_rows(kind, w.data_ptr(), n, self.shape[1], flat.data_ptr(), flat.numel(), out.data_ptr())
+        lib().xinfer_qg_rows(kind, w.data_ptr(), self.shape[1], flat.data_ptr(), flat.numel(), out.data_ptr())
         return out.view(*ids.shape, self.shape[1])
-
-    def nbytes(self) -> int:
-        return sum(t.numel() for _, _, t in self.parts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float().contiguous()
