@@ -13,7 +13,7 @@ import torch
 
 from ops import kv_quant
 from ops.cpu_kernels import lib
-from ops.qgemm import PackedWeight
+from ops.qgemm import Bf16Weight, PackedWeight
 from ops.quant import QuantWeight
 from xinfer import envs
 
@@ -50,8 +50,10 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _linear(w: QuantWeight | PackedWeight, bias: torch.Tensor | None, keep: list) -> _Linear:
+def _linear(w: QuantWeight | PackedWeight | Bf16Weight, bias: torch.Tensor | None, keep: list) -> _Linear:
     n, k = w.shape
+    if isinstance(w, Bf16Weight):  # cpu_kernels.c: kind 2, PREC_BF16, the panels
+        return _Linear(None, None, None, _ptr(bias), 2, n, k, 1, 1, _ptr(w.panels), None, None, None, None)
     if isinstance(w, PackedWeight):
         if len(w.parts) > 3:
             raise ValueError("more than three packed parts")
@@ -67,7 +69,7 @@ def _linear(w: QuantWeight | PackedWeight, bias: torch.Tensor | None, keep: list
 class CpuDecoder:
     """`layers`: one dict a layer with ln_in, ln_post, q_norm, k_norm (or None) weights, optionally
     attn_out_norm and mlp_out_norm (Gemma 3) and act (a key of ACTS; silu); qkv, o, gate_up, down as
-    (QuantWeight or PackedWeight, bias or None); k_cache, v_cache (in any format kv_quant.c_kind names); cos, sin,
+    (QuantWeight, PackedWeight or Bf16Weight, bias or None); k_cache, v_cache (in any format kv_quant.c_kind names); cos, sin,
     rot; window (0: none), scale, softcap (0: none). Every other tensor is float32, contiguous and on the
     CPU, and is kept alive here."""
 

@@ -826,7 +826,9 @@ static int mm_team(const xq_linear *w, const float *x, float *y, int M, kv_pf *p
         // q4: the nibbles as exact integers, rebuilt every pass (panel_dot_q4x), so a row's sums are
         // the same in every batch these kernels take; q8 with several passes: a panel's weights are
         // rebuilt once, into wb, and read back by every pass
-        __m512bh *wb = M > PANEL_ROWS && w->kind ? aligned_alloc(64, sizeof(__m512bh) * (size_t)w->K / 2) : NULL;
+        // kind 2: plain bfloat16 weights (xinfer_bf16_pack), read as they are
+        const int plain = w->kind == 2;
+        __m512bh *wb = M > PANEL_ROWS && w->kind == 1 ? aligned_alloc(64, sizeof(__m512bh) * (size_t)w->K / 2) : NULL;
         float *sx = w->kind == 0 ? aligned_alloc(64, sizeof(float) * np * nb * PANEL_ROWS) : NULL;
         int ld;
         uint32_t *xt = panel_acts(x, M, w->K, &ld, sx);
@@ -838,14 +840,14 @@ static int mm_team(const xq_linear *w, const float *x, float *y, int M, kv_pf *p
         // smaller reads).
         const int np16 = w->N / 16, pairs = act ? w->N / 32 : 0, per = pairs || np16 % 4 == 0 ? 2 : 1;
         const int turns = pairs ? pairs : np16 / per;
-        const size_t qb = (size_t)(w->kind ? 16 : 8) * w->K, sb = sizeof(float) * (size_t)nb * 16;  // a panel's
+        const size_t qb = (size_t)(plain ? 32 : w->kind ? 16 : 8) * w->K, sb = sizeof(float) * (size_t)nb * 16;  // a panel's
 #define PANEL_OF(t, i) ((pairs) ? (t) + (i) * pairs : per * (t) + (i))  // turn t's i-th panel
 #pragma omp for schedule(static)
         for (int t = 0; t < turns; t++) {
             for (int i = 0; i < per && M > PANEL_ROWS && t + 1 < turns; i++) {  // the next turn's, while this one computes
                 const int g = PANEL_OF(t + 1, i);
-                prefetch_l2(w->pq + g * qb, qb), prefetch_l2(w->pd + (size_t)g * nb * 16, sb),
-                    prefetch_l2(w->pm + (size_t)g * nb * 16, sb);
+                prefetch_l2(w->pq + g * qb, qb);
+                if (!plain) prefetch_l2(w->pd + (size_t)g * nb * 16, sb), prefetch_l2(w->pm + (size_t)g * nb * 16, sb);
             }
             for (int i = 0; i < per && wb; i++) {  // q8, several passes: a panel at a time, unpacked once
                 const int g = PANEL_OF(t, i);
@@ -858,10 +860,14 @@ static int mm_team(const xq_linear *w, const float *x, float *y, int M, kv_pf *p
                 for (int i = 0; i < per; i++) {
                     const int g = PANEL_OF(t, i), rows = M - m0 < PANEL_ROWS ? M - m0 : PANEL_ROWS;
                     const uint8_t *q = w->pq + g * qb;
-                    const float *dn = w->pd + (size_t)g * nb * 16, *mn = w->pm + (size_t)g * nb * 16;
                     const float *bias = w->bias ? w->bias + g * 16 : NULL;
                     float *yg = y + (size_t)m0 * w->N + g * 16;
                     const uint32_t *xp = xt + (size_t)m0 / PANEL_ROWS * ld * w->K / 2;
+                    if (plain) {
+                        panel_rows_bf16((const __m512bh *)q, xp, ld, yg, w->K, w->N, bias, rows);
+                        continue;
+                    }
+                    const float *dn = w->pd + (size_t)g * nb * 16, *mn = w->pm + (size_t)g * nb * 16;
                     if (sx) panel_rows_q4x(q, dn, mn, xp, ld, sx + (size_t)m0 / PANEL_ROWS * nb * ld, yg, w->K, w->N, bias, rows);
                     else panel_rows_q8(q, dn, mn, xp, ld, yg, w->K, w->N, bias, rows);
                 }
@@ -942,6 +948,32 @@ void xinfer_q8_mm(const int8_t *qs, const float *d, const float *mn, int gs, con
     const xq_linear w = {qs, d, mn, NULL, 1, N, K, gs, prec, pq, pd, pm, pi};
 #pragma omp parallel
     mm_team(&w, x, y, M, NULL, NULL);
+}
+
+// Plain bfloat16 weights [N, K] (N a multiple of 16, K even) as the panels panel_dot_bf16 reads: per 16
+// output columns, per pair of inputs p, 32 values, column c's inputs 2p and 2p + 1 at lanes 2c, 2c + 1.
+void xinfer_bf16_pack(const uint16_t *w, int N, int K, uint16_t *out) {
+    const int kp = K / 2;
+#pragma omp parallel for schedule(static)
+    for (int g = 0; g < N / 16; g++)
+        for (int c = 0; c < 16; c++) {
+            const uint32_t *src = (const uint32_t *)(w + (size_t)(16 * g + c) * K);
+            uint32_t *dst = (uint32_t *)out + (size_t)g * kp * 16 + c;
+            for (int p = 0; p < kp; p++) dst[(size_t)p * 16] = src[p];
+        }
+}
+
+// y [M, N] = x [M, K] w^T (+ bias) on panels of plain bfloat16 weights (xinfer_bf16_pack): the inputs
+// rounded to bfloat16, float32 sums, every batch size.
+// (ops/qgemm.py Bf16Weight takes it only where xinfer_has_bf16.)
+void xinfer_bf16_mm(const uint16_t *pw, const float *bias, const float *x, float *y, int M, int N, int K) {
+#if HAS_BF16
+    const xq_linear w = {NULL, NULL, NULL, bias, 2, N, K, 1, PREC_BF16, (const uint8_t *)pw, NULL, NULL, NULL, NULL};
+#pragma omp parallel
+    mm_team(&w, x, y, M, NULL, NULL);
+#else
+    (void)pw; (void)bias; (void)x; (void)y; (void)M; (void)N; (void)K;
+#endif
 }
 
 // A KV cache as attention reads it: [blocks, bs, Hkv, D] values of one kind (ops/kv_quant.py) and,

@@ -98,6 +98,8 @@ def load(src: Path):
     so.xinfer_attn_width.argtypes = []
     so.xinfer_kv_store.argtypes = [p, p, i, p, p, ctypes.c_int64, i, i, i, i, p, p, p, p]
     so.xinfer_sample.argtypes = [p, ctypes.c_int64, i, i, p, p, p]
+    so.xinfer_bf16_pack.argtypes = [p, i, i, p]
+    so.xinfer_bf16_mm.argtypes = [p, p, p, p, i, i, i]
     so.xinfer_qg_bytes.restype = ctypes.c_long
     so.xinfer_qg_bytes.argtypes = [i, i, i]
     so.xinfer_qg_pack.argtypes = [i, p, i, i, p]

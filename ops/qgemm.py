@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ops import cpu_isa
+from ops import cpu_kernels
 from ops.cpu_kernels import lib
 from xinfer import envs
 
@@ -86,4 +87,49 @@ class PackedWeight:
         for kind, n, w in self.parts:
             so.xinfer_qg_mm(kind, w.data_ptr(), n, k, *(t.data_ptr() for t in acts), m, y[:, col:].data_ptr(), self.shape[0])
             col += n
+        return y
+
+
+class Bf16Weight:
+    """A bfloat16 weight [N, K] held once, in 16-column panels (ops/cpu_kernels.c xinfer_bf16_pack), for
+    every batch: the inputs rounded to bfloat16 and float32 sums, as oneDNN's bfloat16 GEMM does, in
+    one layout that the one-call decode step reads too (oneDNN's packed copy is opaque to it). Taken
+    with --cpu-matmul bfloat16 where the kernels have AVX512_BF16 (`usable`)."""
+
+    max_rows = 1 << 30
+
+    def __init__(self, panels: torch.Tensor, n: int, k: int):
+        self.panels = panels  # [N / 16, K / 2, 32] bfloat16
+        self.shape = (n, k)
+
+    @staticmethod
+    def usable(shape) -> bool:
+        n, k = shape
+        return envs.qgemm() and cpu_kernels.has_bf16() and n % 16 == 0 and k % 32 == 0
+
+    @classmethod
+    def of(cls, w: torch.Tensor) -> "Bf16Weight":
+        n, k = w.shape
+        w = w.detach().to(torch.bfloat16).contiguous()
+        out = torch.empty(n // 16, k // 2, 32, dtype=torch.bfloat16)
+        lib().xinfer_bf16_pack(w.data_ptr(), n, k, out.data_ptr())
+        return cls(out, n, k)
+
+    @staticmethod
+    def cat(parts: list["Bf16Weight"]) -> "Bf16Weight | None":
+        if len({p.shape[1] for p in parts}) != 1:
+            return None
+        return Bf16Weight(torch.cat([p.panels for p in parts]), sum(p.shape[0] for p in parts), parts[0].shape[1])
+
+    def narrow(self, dim: int, start: int, count: int):
+        raise ValueError("packed weights are not split")
+
+    def use(self, matmul: str) -> None:
+        """Always bfloat16."""
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        x = x.float().contiguous()
+        y = torch.empty(x.shape[0], self.shape[0], dtype=torch.float32)
+        lib().xinfer_bf16_mm(self.panels.data_ptr(), None if bias is None else bias.data_ptr(), x.data_ptr(),
+                             y.data_ptr(), x.shape[0], *self.shape)
         return y

@@ -424,7 +424,7 @@ def test_the_bf16_build_passes_its_tests(tmp_path):
     env = dict(os.environ, XINFER_CPU_ISA="avx512_bf16", XINFER_CACHE_DIR=str(tmp_path))
     tests = os.path.dirname(__file__)
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "bf16 and not bf16_build", __file__,
-                        os.path.join(tests, "test_spec.py")], env=env, capture_output=True, text=True, timeout=600)
+                        os.path.join(tests, "test_spec.py"), os.path.join(tests, "test_qgemm.py")], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-1000:]
 

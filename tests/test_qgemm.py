@@ -152,3 +152,49 @@ def test_isq_holds_blocks_alone(tmp_path, monkeypatch, fmt):
     kld = (p.exp() * (p - q)).sum(-1).mean().item()
     # a tiny random model has near ties: the mean KLD is the budget that matters
     assert kld < 0.002 and (p.argmax(-1) == q.argmax(-1)).float().mean().item() >= 0.9, kld
+
+
+@pytest.mark.skipif(not qgemm.Bf16Weight.usable((16, 32)), reason="no AVX512_BF16 kernels here")
+def test_bf16_panels_every_batch_and_the_decode_step(tmp_path):
+    """--cpu-matmul bfloat16 holds each Linear and the head once, as bfloat16 panels: the kernel is the
+    bfloat16 GEMM's arithmetic (inputs and weights rounded to bfloat16, float32 sums) at every batch
+    size and with fused parts; a model's float weights are freed, the one-call C decode step reads the
+    panels with the same tokens as the op-by-op path, and the logits stay within the budget of float32."""
+    torch.manual_seed(0)
+    parts = [torch.randn(n, 96) for n in (32, 16, 48)]
+    w = qgemm.Bf16Weight.cat([qgemm.Bf16Weight.of(p) for p in parts])
+    full, bias = torch.cat(parts), torch.randn(96)  # 96 outputs
+    for m in (1, 5, 16, 17, 40):
+        x = torch.randn(m, 96)
+        ref = x.bfloat16().double() @ full.bfloat16().double().T
+        torch.testing.assert_close(w(x).double(), ref, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(w(x, bias[:w.shape[0]]).double(), ref + bias[:w.shape[0]].double(), rtol=1e-5, atol=1e-4)
+
+    from tests.test_quantized import _llama
+    from xinfer import Engine, EngineConfig, SamplingParams
+    _llama(hidden=256, inter=512, layers=2, vocab=256).save_pretrained(tmp_path / "m")
+    prompt = [int(t) for t in np.random.default_rng(2).integers(0, 256, 48)]
+    lps = {}
+    for matmul in ("float32", "bfloat16"):
+        e = Engine(EngineConfig(model=str(tmp_path / "m"), cpu_matmul=matmul, num_kv_blocks=32, block_size=4),
+                   log_level="warning")
+        try:
+            m = e.runner.model
+            lins = [x for x in m.modules() if type(x).__name__ == "Linear" and x is not m.lm_head]
+            lps[matmul] = e.runner.log_probs(prompt, chunk=5)
+            if matmul == "bfloat16":
+                assert all(isinstance(x.blocks, qgemm.Bf16Weight) and x.weight.numel() == 0 and x.fast is None
+                           for x in lins)
+                assert isinstance(m.head_blocks, qgemm.Bf16Weight) and m.head_fast is None
+                params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+                runs = []
+                for fused in (None, False):
+                    m._cpu_decoder = fused
+                    runs.append(e.generate([prompt[:7], prompt[5:30]], params))
+                    assert (m._cpu_decoder is False) == (fused is False)
+                assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
+        finally:
+            e.close()
+    p, q = lps["float32"], lps["bfloat16"]
+    kld = (p.exp() * (p - q)).sum(-1).mean().item()
+    assert kld < 0.002 and (p.argmax(-1) == q.argmax(-1)).float().mean().item() >= 0.95, kld

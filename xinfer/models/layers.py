@@ -13,7 +13,7 @@ from ops import cpu_kernels, triton_fused
 from ops.attention import attend
 from ops.linear import linear, pack
 from ops.norm import RMSNorm
-from ops.qgemm import PackedWeight
+from ops.qgemm import Bf16Weight, PackedWeight
 from ops.quant import QuantWeight
 from ops.rotary import RotaryEmbedding
 from xinfer import parallel as tp
@@ -326,7 +326,8 @@ def hold_packed(model: nn.Module, blocks, remap=None) -> set[str]:
 def attach_fast(model: nn.Module, matmul: str) -> int:
     """The weights that the batches the GGUF blocks do not take multiply with, packed once
     (ops/linear.py pack), and the blocks' arithmetic (--cpu-matmul, ops/quant.py QuantWeight.use).
-    bfloat16: a bfloat16 copy for each Linear and the LM head. float32 and int16 (whose GEMMs are
+    bfloat16: for each Linear and the LM head, its bfloat16 panels (ops/qgemm.py Bf16Weight) for every
+    batch where the kernels have AVX512_BF16, else a bfloat16 copy. float32 and int16 (whose GEMMs are
     float32): the Linears that have blocks. A Linear with a packed weight no longer reads its plain
     one (small batches read the blocks, the rest the packed weight): it is freed, so a bfloat16
     checkpoint is held once, in bfloat16, not also widened to float32. Returns how many weights were
@@ -338,7 +339,11 @@ def attach_fast(model: nn.Module, matmul: str) -> int:
     for mod in model.modules():
         if isinstance(mod, Linear) and isinstance(mod.blocks, PackedWeight) or mod is head_lin:
             continue  # every batch reads its blocks
-        if isinstance(mod, Linear) and (bf16 or mod.blocks is not None):
+        if isinstance(mod, Linear) and bf16 and mod.blocks is None and Bf16Weight.usable(mod.weight.shape):
+            mod.blocks = Bf16Weight.of(mod.weight.data)  # every batch, and the one-call decode step
+            mod.weight.data = torch.empty(0, dtype=mod.weight.dtype)
+            n += 1
+        elif isinstance(mod, Linear) and (bf16 or mod.blocks is not None):
             mod.fast = pack(mod.weight.data, dtype)
             mod.weight.data = torch.empty(0, dtype=mod.weight.dtype)
             if mod.blocks is not None:
@@ -350,7 +355,10 @@ def attach_fast(model: nn.Module, matmul: str) -> int:
     # pipeline parallel: the head is on the last stage
     if bf16 and tp.last_stage() and not isinstance(getattr(model, "head_blocks", None), PackedWeight):
         head = model.model.embed_tokens.weight if model.tied else model.lm_head.weight
-        model.head_fast = pack(head.data, dtype)
+        if getattr(model, "head_blocks", None) is None and Bf16Weight.usable(head.shape):
+            model.head_blocks = Bf16Weight.of(head.data)
+        else:
+            model.head_fast = pack(head.data, dtype)
         if head_lin is not None:  # an own head is read packed (the blocks take the small batches); a tied one is the table
             head_lin.weight.data = torch.empty(0, dtype=head_lin.weight.dtype)
     return n

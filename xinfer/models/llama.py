@@ -10,7 +10,7 @@ from ops import cpu_decode, cpu_kernels, kv_quant
 from ops.attention import context
 from ops.linear import linear
 from ops.norm import RMSNorm
-from ops.qgemm import PackedWeight
+from ops.qgemm import Bf16Weight, PackedWeight
 from ops.quant import QuantWeight
 from ops.rotary import RotaryEmbedding
 from xinfer import parallel as tp
@@ -221,7 +221,7 @@ class LlamaForCausalLM(nn.Module):
                 or kv_quant.c_kind(a.k_cache) is None or not cpu_kernels.attends(a.head_dim):
             return None
         lins = {"qkv": a.qkv_proj, "o": a.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
-        if any(not isinstance(lin.blocks, (QuantWeight, PackedWeight)) for lin in lins.values()):  # what the C step reads
+        if any(not isinstance(lin.blocks, (QuantWeight, PackedWeight, Bf16Weight)) for lin in lins.values()):  # what the C step reads
             return None
         return dict({k: (lin.blocks, lin.bias) for k, lin in lins.items()}, act=mlp.act_name,
                     **{k: n.weight for k, n in self.decode_norms(layer).items()},
