@@ -81,13 +81,15 @@ def block_rows(bf16_panels: bool = False) -> int:
     return envs.quant_max_rows() or (64 if level() == "avx2" or (bf16_panels and level() != "amx") else 16)
 
 
-def describe(matmul: str, blocks: bool, bf16_dots: bool = False, held: bool = False) -> str:
+def describe(matmul: str, blocks: bool, bf16_dots: bool = False, held: bool = False, panels: bool = False) -> str:
     """The one start-up line: the level and the path that serves each kind of step. `held`: GGUF
-    Q4_K / Q6_K / Q8_0 weights are held as blocks alone (ops/qgemm.py) and serve every batch."""
+    Q4_K / Q6_K / Q8_0 weights are held as blocks alone (ops/qgemm.py) and serve every batch; `panels`:
+    so are bfloat16 weights, in panels (ops/qgemm.py Bf16Weight)."""
     if held:
         return (f"cpu {level()}: GGUF Q4_K / Q6_K / Q8_0 weights: 8-bit activations on the VNNI units, every batch; "
-                f"the model's other weights: {describe(matmul, blocks, bf16_dots).split(': ', 1)[1]}")
-    big = "bfloat16 GEMMs (oneDNN" + (", AMX tiles)" if level() == "amx" else ")") if matmul == "bfloat16" \
+                f"the model's other weights: {describe(matmul, blocks, bf16_dots, panels=panels).split(': ', 1)[1]}")
+    big = "bfloat16 GEMMs (16-column panels, the weights held once)" if panels else \
+        "bfloat16 GEMMs (oneDNN" + (", AMX tiles)" if level() == "amx" else ")") if matmul == "bfloat16" \
         else "float32 GEMMs (oneDNN)"
     dots = " (bfloat16 dot products, 16-column panels)" if matmul == "bfloat16" and bf16_dots else \
         (" (16-bit integer activations: the blocks' own integers up to 3 rows, then the integers widened to 16"

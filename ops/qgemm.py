@@ -127,6 +127,12 @@ class Bf16Weight:
     def use(self, matmul: str) -> None:
         """Always bfloat16."""
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` in float32 (an embedding lookup): column c of panel g, its pairs at lanes 2c, 2c + 1."""
+        flat = ids.reshape(-1).to(torch.int64)
+        p = self.panels.view(self.shape[0] // 16, self.shape[1] // 2, 16, 2)
+        return p[flat // 16, :, flat % 16].reshape(*ids.shape, self.shape[1]).float()
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x = x.float().contiguous()
         y = torch.empty(x.shape[0], self.shape[0], dtype=torch.float32)

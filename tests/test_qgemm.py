@@ -158,8 +158,9 @@ def test_isq_holds_blocks_alone(tmp_path, monkeypatch, fmt):
 def test_bf16_panels_every_batch_and_the_decode_step(tmp_path):
     """--cpu-matmul bfloat16 holds each Linear and the head once, as bfloat16 panels: the kernel is the
     bfloat16 GEMM's arithmetic (inputs and weights rounded to bfloat16, float32 sums) at every batch
-    size and with fused parts; a model's float weights are freed, the one-call C decode step reads the
-    panels with the same tokens as the op-by-op path, and the logits stay within the budget of float32."""
+    size and with fused parts; a bfloat16 checkpoint's matrices are packed as read (no float32 copy),
+    the one-call C decode step reads the panels with the same tokens as the op-by-op path, and the
+    logits stay within the budget of float32."""
     torch.manual_seed(0)
     parts = [torch.randn(n, 96) for n in (32, 16, 48)]
     w = qgemm.Bf16Weight.cat([qgemm.Bf16Weight.of(p) for p in parts])
@@ -172,7 +173,9 @@ def test_bf16_panels_every_batch_and_the_decode_step(tmp_path):
 
     from tests.test_quantized import _llama
     from xinfer import Engine, EngineConfig, SamplingParams
-    _llama(hidden=256, inter=512, layers=2, vocab=256).save_pretrained(tmp_path / "m")
+    _llama(hidden=256, inter=512, layers=2, vocab=256).to(torch.bfloat16).save_pretrained(tmp_path / "m")
+    from safetensors.torch import load_file
+    table = load_file(tmp_path / "m" / "model.safetensors")["model.embed_tokens.weight"]
     prompt = [int(t) for t in np.random.default_rng(2).integers(0, 256, 48)]
     lps = {}
     for matmul in ("float32", "bfloat16"):
@@ -186,6 +189,11 @@ def test_bf16_panels_every_batch_and_the_decode_step(tmp_path):
                 assert all(isinstance(x.blocks, qgemm.Bf16Weight) and x.weight.numel() == 0 and x.fast is None
                            for x in lins)
                 assert isinstance(m.head_blocks, qgemm.Bf16Weight) and m.head_fast is None
+                # packed from the file as read (layers.hold_packed): nothing widened to float32, the
+                # table looked up in its panels exactly
+                assert {"model.embed_tokens.weight", "model.layers.1.self_attn.qkv_proj.weight"} <= m.held
+                ids = torch.tensor([[0, 17, 255], [3, 3, 128]])
+                assert torch.equal(m.model.embed_tokens(ids), table[ids].float())
                 params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
                 runs = []
                 for fused in (None, False):

@@ -112,17 +112,18 @@ def safetensors_files(folder: str) -> list[Path]:
     return files
 
 
-def iter_safetensors(folder: str, keep=None, lazy: bool = False):
+def iter_safetensors(folder: str, keep=None, lazy: bool = False, skip=()):
     """Yield (name, tensor) from every shard, memory-mapped, one tensor at a time; `keep(name)`:
     only those (a pipeline stage's), the others not read; `lazy`: loader.lazy.Lazy tensors, read
-    when (and as far as) a loader needs them (a tensor-parallel rank's part)."""
+    when (and as far as) a loader needs them (a tensor-parallel rank's part); `skip`: names not read
+    (held in another form already)."""
     from safetensors import safe_open
 
     for path in safetensors_files(folder):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    if keep is not None and not keep(name):
+                    if keep is not None and not keep(name) or name in skip:
                         continue
                     if lazy:
                         part = f.get_slice(name)

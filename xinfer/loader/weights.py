@@ -41,7 +41,7 @@ def build_model(info: ModelInfo, dtype: torch.dtype, device: torch.device, block
         elif info.quant is not None:
             weights = iter_dequantized(info.path, info.quant, dtype, blocks, keep)
         else:
-            weights = hf.iter_safetensors(info.path, keep, lazy)
+            weights = hf.iter_safetensors(info.path, keep, lazy, skip)
         try:
             model.load_weights(_progress(weights, info.path))
         except (KeyError, ValueError) as e:
@@ -61,6 +61,23 @@ def gguf_held(gguf):
         names = hold_packed(model, blocks, model.remap)
         log.info("GGUF Q4_K / Q6_K / Q8_0 blocks held for %d weights, no float copy (8-bit activations, VNNI)",
                  len(model.held))
+        return names
+    return held
+
+
+def bf16_held(path: str):
+    """build_model's `held` for a checkpoint with bfloat16 matrices on the bfloat16 path: each Linear's,
+    the head's and the embedding table's packed into bfloat16 panels (ops/qgemm.py Bf16Weight) straight
+    from the mapped file, never widened to float32; the table's rows are looked up in them, exactly."""
+    from ops.qgemm import Bf16Weight
+    from xinfer.models.layers import hold_packed, holds
+
+    def held(model) -> set[str]:
+        want = holds(model, model.remap)
+        blocks = ((name, Bf16Weight.of(t)) for name, t in hf.iter_safetensors(path, getattr(model, "keeps", None))
+                  if t.dtype == torch.bfloat16 and t.dim() == 2 and want(name) and Bf16Weight.usable(t.shape))
+        names = hold_packed(model, blocks, model.remap)
+        log.info("bfloat16 weights held in panels for %d weights, not widened to float32", len(model.held))
         return names
     return held
 

@@ -14,6 +14,8 @@ from ops.attention import attend
 from ops.linear import linear, pack
 from ops.norm import RMSNorm
 from ops.qgemm import Bf16Weight, PackedWeight
+
+HELD = (PackedWeight, Bf16Weight)  # weights held alone, for every batch (ops/qgemm.py)
 from ops.quant import QuantWeight
 from ops.rotary import RotaryEmbedding
 from xinfer import parallel as tp
@@ -295,20 +297,27 @@ def attach_blocks(model: nn.Module, blocks, remap=None) -> int:
     for module, got in stacks.items():
         if module in mods:
             count += mods[module].attach_stacks(got.get("gate_proj"), got.get("up_proj"), got.get("down_proj"))
-    if head is not None and not isinstance(getattr(model, "head_blocks", None), PackedWeight):
+    if head is not None and not isinstance(getattr(model, "head_blocks", None), HELD):
         model.head_blocks = head
         count += 1
     return count
 
 
+def holds(model: nn.Module, remap=None):
+    """Which checkpoint tensors `hold_packed` can take: the Linears', the embedding tables' and the head's."""
+    params = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, (Linear, Embedding))}
+    params.add(model.head_param_name())
+    return lambda name: _target(name, remap)[0] in params
+
+
 def hold_packed(model: nn.Module, blocks, remap=None) -> set[str]:
     """Before any weight is read: the Linears (and the head, unless it is the embedding table too) whose
-    every shard comes as a PackedWeight (ops/qgemm.py) take those and hold no float weight. Returns the
+    every shard comes held (a PackedWeight or Bf16Weight, ops/qgemm.py) take those and hold no float weight. Returns the
     checkpoint names they cover (the loader skips them); the model remembers the parameters in `held`."""
     blocks = list(blocks)
     attach_blocks(model, blocks, remap)
-    done = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, Linear) and isinstance(m.blocks, PackedWeight)}
-    if isinstance(getattr(model, "head_blocks", None), PackedWeight):
+    done = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, Linear) and isinstance(m.blocks, HELD)}
+    if isinstance(getattr(model, "head_blocks", None), HELD):
         done.add(model.head_param_name())
     by_param = {_target(name, remap)[0]: q for name, q in blocks}
     for n, m in model.named_modules():
@@ -337,7 +346,7 @@ def attach_fast(model: nn.Module, matmul: str) -> int:
     head_lin = None if getattr(model, "tied", True) else getattr(model, "lm_head", None)  # packed below, once
     n = 0
     for mod in model.modules():
-        if isinstance(mod, Linear) and isinstance(mod.blocks, PackedWeight) or mod is head_lin:
+        if isinstance(mod, Linear) and isinstance(mod.blocks, HELD) or mod is head_lin:
             continue  # every batch reads its blocks
         if isinstance(mod, Linear) and bf16 and mod.blocks is None and Bf16Weight.usable(mod.weight.shape):
             mod.blocks = Bf16Weight.of(mod.weight.data)  # every batch, and the one-call decode step
@@ -353,7 +362,7 @@ def attach_fast(model: nn.Module, matmul: str) -> int:
         model.head_blocks.use(matmul)
     # float32: the head stays plain (a tied one is the embedding table too: packing would copy it);
     # pipeline parallel: the head is on the last stage
-    if bf16 and tp.last_stage() and not isinstance(getattr(model, "head_blocks", None), PackedWeight):
+    if bf16 and tp.last_stage() and not isinstance(getattr(model, "head_blocks", None), HELD):
         head = model.model.embed_tokens.weight if model.tied else model.lm_head.weight
         if getattr(model, "head_blocks", None) is None and Bf16Weight.usable(head.shape):
             model.head_blocks = Bf16Weight.of(head.data)

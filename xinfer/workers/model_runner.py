@@ -20,7 +20,7 @@ from xinfer.config import EngineConfig
 from xinfer.ipc.step import StepPlan, StepResult, pack_ids, unpack_ids
 from xinfer.loader import ModelInfo, load_model_info
 from xinfer.loader.isq import apply_isq
-from xinfer.loader.weights import build_model, gguf_held
+from xinfer.loader.weights import bf16_held, build_model, gguf_held
 from xinfer.models.layers import attach_blocks, attach_fast
 from xinfer.workers import graphs, kv_memory, outputs, pipeline
 from xinfer.workers.batch import WorkerSeq, drafted, forward, sampling_batch
@@ -50,8 +50,9 @@ class ModelRunner:
         self.eos_ids = info.eos_token_ids
         self.backend = get_backend(config.attention_backend, self.device)
         if self.device.type == "cpu":
+            kinds = {type(getattr(m, "blocks", None)) for m in self.model.modules()}
             log.info(cpu_isa.describe(config.cpu_matmul, config.quantization == "gguf", cpu_kernels.has_bf16(),
-                                      bool(getattr(self.model, "held", None))))
+                                      qgemm.PackedWeight in kinds, qgemm.Bf16Weight in kinds))
         self.block_size = config.block_size
         self.drafter, draft_cfg = None, None
         if method == "mtp":
@@ -107,6 +108,9 @@ class ModelRunner:
         fast_blocks = self.device.type == "cpu" and tp.world_size() == 1 and qgemm.available() \
             and self.config.cpu_matmul != "float32"
         held = gguf_held(info.gguf) if gguf_blocks and fast_blocks else None
+        if info.kind == "hf" and info.quant is None and not self.config.isq and self.device.type == "cpu" \
+                and self.config.cpu_matmul == "bfloat16" and tp.world_size() == 1 and qgemm.Bf16Weight.usable((16, 32)):
+            held = bf16_held(info.path)
         model = build_model(dataclasses.replace(info, config=cfg), self.dtype, self.device, ckpt_blocks, held)
         if gguf_blocks:
             skip = getattr(model, "held_names", set())
