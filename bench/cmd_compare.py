@@ -17,7 +17,7 @@ from bench.common import (check_url, git_commit, load_config, machine_info, make
 COMPARE_KEYS = ("completed", "failed", "request_throughput", "output_throughput", "total_token_throughput",
                 "request_goodput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
                 "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_e2el_ms",
-                "median_e2el_ms", "p99_e2el_ms", "peak_rss_mb")
+                "median_e2el_ms", "p99_e2el_ms", "peak_rss_mb", "idle_rss_mb", "end_rss_mb", "ready_s")
 
 
 def run(args) -> int:
@@ -51,8 +51,9 @@ async def _ready(url: str) -> bool:
         return False
 
 
-async def _start(name: str, cmd: str, url: str, log: Path, timeout: float) -> subprocess.Popen:
-    """Run a target's serve command in its own process group and wait until it is ready (_ready)."""
+async def _start(name: str, cmd: str, url: str, log: Path, timeout: float) -> tuple[subprocess.Popen, float]:
+    """Run a target's serve command in its own process group and wait until it is ready (_ready);
+    returns it and the seconds that took (its load time)."""
     if await _ready(url):  # the measured server would not be the one this command starts
         raise SystemExit(f"xinfer-bench: a server already answers at {url}; stop it or leave out --serve {name}=...")
     print(f"xinfer-bench: starting {name}: {cmd}", file=sys.stderr)
@@ -66,7 +67,7 @@ async def _start(name: str, cmd: str, url: str, log: Path, timeout: float) -> su
                              f"see {log}")
         if await _ready(url):
             print(f"xinfer-bench: {name} up in {time.monotonic() - t0:.0f} s", file=sys.stderr)
-            return proc
+            return proc, time.monotonic() - t0
         await asyncio.sleep(0.5)
     _stop(proc)
     raise SystemExit(f"xinfer-bench: {name} was not ready at {url} within {timeout:g} s; see {log}")
@@ -112,28 +113,36 @@ async def _compare(args, targets, models, serve, maker) -> int:
         # the previous one filled. Within a round every target gets the same prompts.
         round_args = with_seed(args, args.seed + rep)
         for name, url in targets:
-            proc = await _start(name, serve[name], url, out / f"serve-{name}.log", args.serve_timeout) \
-                if name in serve else None
+            proc, ready = await _start(name, serve[name], url, out / f"serve-{name}.log", args.serve_timeout) \
+                if name in serve else (None, None)
             try:
                 resolved[name] = resolved[name] or await resolve_model(url, None)
                 source = make_source(round_args, maker)
                 cfg = load_config(args, url, resolved[name])
                 label = f"{name} ({rep + 1}/{args.repeats}) " if args.repeats > 1 else f"{name} "
-                pid, peak = server_pid(url), []
+                pid, peak, each = server_pid(url), [], {}
+                idle = load.tree_rss(pid) if pid else None  # loaded, before any request
 
-                async def sampler(pid=pid, peak=peak):
+                async def sampler(pid=pid, peak=peak, each=each):
                     while True:
-                        rss = load.tree_rss(pid)
-                        if rss is not None:
-                            peak.append(rss)
+                        by = load.rss_by_process(pid)
+                        if by:
+                            peak.append(sum(by.values()))
+                            for k, v in by.items():
+                                each[k] = max(each.get(k, 0), v)
                         await asyncio.sleep(1.0)
 
                 r = await measure(round_args, cfg, source, maker, label=label, sampler=sampler if pid else None)
+                end = load.tree_rss(pid) if pid else None
             finally:
                 _stop(proc)
             r["mode"], r["target"], r["repeat"] = "serve", name, rep
-            # the whole process tree's resident memory, at its highest under this load
-            r["peak_rss_mb"] = max(peak) / 2**20 if peak else None
+            # the whole process tree's resident memory: at its highest under this load, loaded and idle
+            # before it, and after it; each process's peak by name; the serve command's load time
+            mb = lambda b: b / 2**20 if b else None  # noqa: E731
+            r["peak_rss_mb"], r["idle_rss_mb"], r["end_rss_mb"] = mb(max(peak) if peak else None), mb(idle), mb(end)
+            r["peak_rss_mb_by_process"] = {k: mb(v) for k, v in sorted(each.items())}
+            r["ready_s"] = ready
             runs[name].append(r)
     summaries = {n: {k: mean([r.get(k) for r in rs]) for k in COMPARE_KEYS} for n, rs in runs.items()}
     first = targets[0][0]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import re
 import sys
@@ -515,6 +516,26 @@ def listening_pid(port: int) -> int | None:
     except (psutil.AccessDenied, PermissionError):
         return None
     return None
+
+
+def rss_by_process(pid: int) -> dict[str, int]:
+    """Resident bytes of a process and its descendants by name (xinfer's titles: xinfer::worker, ...;
+    else the executable's name, `#pid` added where two share it); empty when it is gone."""
+    import psutil
+    try:
+        p = psutil.Process(pid)
+        procs = [p] + p.children(recursive=True)
+    except psutil.Error:
+        return {}
+    out = {}
+    for q in procs:
+        try:
+            argv0 = (q.cmdline() or [q.name()])[0]
+            name = argv0 if argv0.startswith("xinfer::") else os.path.basename(argv0)
+            out[f"{name}#{q.pid}" if name in out else name] = q.memory_info().rss
+        except psutil.Error:
+            pass
+    return out
 
 
 def tree_rss(pid: int) -> int | None:

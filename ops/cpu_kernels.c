@@ -318,6 +318,26 @@ static inline __attribute__((always_inline)) void panel_dot_bf16(const __m512bh 
     panel_store(acc, y, ldy, bias, rows);
 }
 
+// panel_dot_bf16 on two panels at once, up to Q4X_ROWS rows: each broadcast input pair feeds both, so a
+// dot product costs half the loads (plain bfloat16 weights, the big batches' GEMM).
+static inline __attribute__((always_inline)) void panel_dot_bf16x2(const __m512bh *wa, const __m512bh *wb,
+                                                                   const uint32_t *xt, int ld, float *ya, float *yb,
+                                                                   int K, int ldy, const float *ba, const float *bb,
+                                                                   int rows) {
+    __m512 a[Q4X_ROWS], b[Q4X_ROWS];
+    for (int r = 0; r < rows; r++) a[r] = b[r] = _mm512_setzero_ps();
+    for (int p = 0; p < K / 2; p++) {
+        const __m512bh u = wa[p], v = wb[p];
+        for (int r = 0; r < rows; r++) {
+            const __m512bh x = (__m512bh)_mm512_set1_epi32((int)xt[(size_t)p * ld + r]);
+            a[r] = _mm512_dpbf16_ps(a[r], u, x);
+            b[r] = _mm512_dpbf16_ps(b[r], v, x);
+        }
+    }
+    panel_store(a, ya, ldy, ba, rows);
+    panel_store(b, yb, ldy, bb, rows);
+}
+
 // CALL(R) with R = rows (1 .. PANEL_ROWS) a compile-time constant: the accumulators stay in registers.
 #define PANEL_CASES(CALL)                                                                                   \
     switch (rows) {                                                                                         \
@@ -358,6 +378,13 @@ NO_MEMSET static void panel_rows_bf16(const __m512bh *wb, const uint32_t *xb, in
                             const float *bias, int rows) {
 #define QP(R) panel_dot_bf16(wb, xb, ld, y, K, ldy, bias, R)
     PANEL_CASES(QP);
+#undef QP
+}
+
+NO_MEMSET static void panel_rows_bf16x2(const __m512bh *wa, const __m512bh *wb, const uint32_t *xb, int ld, float *ya,
+                                        float *yb, int K, int ldy, const float *ba, const float *bb, int rows) {
+#define QP(R) panel_dot_bf16x2(wa, wb, xb, ld, ya, yb, K, ldy, ba, bb, R)
+    ROWS_CASES(QP);
 #undef QP
 }
 
@@ -856,7 +883,18 @@ static int mm_team(const xq_linear *w, const float *x, float *y, int M, kv_pf *p
                     panel_rows_bf16(wb, xt + (size_t)m0 / PANEL_ROWS * ld * w->K / 2, ld, y + (size_t)m0 * w->N + g * 16,
                                     w->K, w->N, w->bias ? w->bias + g * 16 : NULL, M - m0 < PANEL_ROWS ? M - m0 : PANEL_ROWS);
             }
-            for (int m0 = 0; m0 < M && !wb; m0 += PANEL_ROWS)
+            for (int m0 = 0; m0 < M && !wb; m0 += PANEL_ROWS) {
+                if (plain && per == 2) {  // both panels of the turn at once, 8 rows a pass
+                    const int g0 = PANEL_OF(t, 0), g1 = PANEL_OF(t, 1), rows = M - m0 < PANEL_ROWS ? M - m0 : PANEL_ROWS;
+                    const uint32_t *xp = xt + (size_t)m0 / PANEL_ROWS * ld * w->K / 2;
+                    for (int r0 = 0; r0 < rows; r0 += Q4X_ROWS) {
+                        float *yr = y + (size_t)(m0 + r0) * w->N;
+                        panel_rows_bf16x2((const __m512bh *)(w->pq + g0 * qb), (const __m512bh *)(w->pq + g1 * qb), xp + r0,
+                                          ld, yr + g0 * 16, yr + g1 * 16, w->K, w->N, w->bias ? w->bias + g0 * 16 : NULL,
+                                          w->bias ? w->bias + g1 * 16 : NULL, rows - r0 < Q4X_ROWS ? rows - r0 : Q4X_ROWS);
+                    }
+                    continue;
+                }
                 for (int i = 0; i < per; i++) {
                     const int g = PANEL_OF(t, i), rows = M - m0 < PANEL_ROWS ? M - m0 : PANEL_ROWS;
                     const uint8_t *q = w->pq + g * qb;
@@ -871,6 +909,7 @@ static int mm_team(const xq_linear *w, const float *x, float *y, int M, kv_pf *p
                     if (sx) panel_rows_q4x(q, dn, mn, xp, ld, sx + (size_t)m0 / PANEL_ROWS * nb * ld, yg, w->K, w->N, bias, rows);
                     else panel_rows_q8(q, dn, mn, xp, ld, yg, w->K, w->N, bias, rows);
                 }
+            }
             if (pf)
                 for (int i = 0; i < 16 * per; i++) pf_step(pf);  // as often as the row loop below would
             if (pairs) silu_cols(y, w->N, act, 0, M, t * 16);
@@ -964,13 +1003,18 @@ void xinfer_bf16_pack(const uint16_t *w, int N, int K, uint16_t *out) {
 }
 
 // y [M, N] = x [M, K] w^T (+ bias) on panels of plain bfloat16 weights (xinfer_bf16_pack): the inputs
-// rounded to bfloat16, float32 sums, every batch size.
-// (ops/qgemm.py Bf16Weight takes it only where xinfer_has_bf16.)
+// rounded to bfloat16, float32 sums, every batch size. (ops/qgemm.py Bf16Weight takes it only where
+// xinfer_has_bf16.)
 void xinfer_bf16_mm(const uint16_t *pw, const float *bias, const float *x, float *y, int M, int N, int K) {
 #if HAS_BF16
     const xq_linear w = {NULL, NULL, NULL, bias, 2, N, K, 1, PREC_BF16, (const uint8_t *)pw, NULL, NULL, NULL, NULL};
+    // rows in chunks whose rounded copy (2 K bytes a row) stays in L2 while every panel passes over it:
+    // a 2,048-row prefill's whole copy came from memory again for each panel
+    int chunk = (256 * 1024 / K) / PANEL_ROWS * PANEL_ROWS;
+    chunk = chunk < PANEL_ROWS ? PANEL_ROWS : chunk;
 #pragma omp parallel
-    mm_team(&w, x, y, M, NULL, NULL);
+    for (int m0 = 0; m0 < M; m0 += chunk)
+        mm_team(&w, x + (size_t)m0 * K, y + (size_t)m0 * N, M - m0 < chunk ? M - m0 : chunk, NULL, NULL);
 #else
     (void)pw; (void)bias; (void)x; (void)y; (void)M; (void)N; (void)K;
 #endif

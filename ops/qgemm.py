@@ -7,6 +7,9 @@ A `PackedWeight` is one linear's weight [N, K]; a fused one (QKV, gate-up) is se
 in its own type, writing its own columns of the output. Taken where the CPU has AVX512-VNNI
 (`available()`) and the shapes fit (16-row panels, whole super-blocks); other weights keep the
 block kernels of ops/quant.py. XINFER_QGEMM=0 turns it off.
+
+A `Bf16Weight` is the same idea for float weights on the bfloat16 path: one bfloat16 copy in
+16-column panels that every batch and the one-call decode step read.
 """
 from __future__ import annotations
 
