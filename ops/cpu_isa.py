@@ -16,7 +16,7 @@ import functools
 import logging
 import platform
 
-from xinfer import envs
+from ops import envs
 
 log = logging.getLogger("xinfer.cpu")
 

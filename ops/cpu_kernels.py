@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 from ops import cpu_isa
-from xinfer import envs
+from ops import envs
 
 log = logging.getLogger("xinfer.ops")
 

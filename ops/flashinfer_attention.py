@@ -21,7 +21,7 @@ import logging
 
 import torch
 
-from ops.attention import AttentionBackend, AttnMetadata, TorchBackend, get_backend
+from ops.attention import AttentionBackend, AttnMetadata, TorchBackend, TritonBackend
 
 log = logging.getLogger("xinfer.attention")
 
@@ -121,5 +121,5 @@ class FlashInferBackend(AttentionBackend):
             name = "triton" if importlib.util.find_spec("triton") else "torch"
             log.warning("flashinfer does not support %s with head size %d; attention falls back to the %s backend",
                         dtype, head_dim, name)
-            self._fallback = get_backend(name, torch.device("cuda"))
+            self._fallback = TritonBackend() if name == "triton" else TorchBackend()
         return self._fallback

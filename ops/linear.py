@@ -17,7 +17,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from xinfer import envs
+from ops import envs
 
 # oneDNN and ideep (torch's layer over it) each keep every primitive they build, up to 1,024, keyed by
 # the row count too; a server's prefill steps each bring their own, so a worker's heap grew ~800 MB in

@@ -20,7 +20,7 @@ from gguf.quants import dequantize
 
 from ops import cpu_isa
 from ops.cpu_kernels import has_bf16, lib, simd_width
-from xinfer.loader.gguf_file import BLOCK_TYPES
+from ops.block_types import BLOCK_TYPES
 
 MATMULS = ("float32", "bfloat16", "int16")  # --cpu-matmul's settings, in the kernels' PREC_* order
 PREC = {m: i for i, m in enumerate(MATMULS)}

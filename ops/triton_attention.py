@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from xinfer import envs
+from ops import envs
 
 __all__ = ["store_kv", "paged_attention"]
 

@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from xinfer import envs
+from ops import envs
 
 
 @functools.cache

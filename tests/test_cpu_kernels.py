@@ -18,7 +18,7 @@ from ops.attention import AttnMetadata, TorchBackend
 from ops.linear import linear
 from ops.norm import RMSNorm
 from ops.quant import QuantWeight
-from xinfer.loader.gguf_file import BLOCK_TYPES
+from ops.block_types import BLOCK_TYPES
 from ops.rotary import RotaryEmbedding, _apply
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels are off here (no C compiler, neither AVX-512 nor AVX2, or XINFER_CPU_KERNELS=0); "

@@ -11,6 +11,7 @@ if importlib.util.find_spec("flashinfer") is None:
                 allow_module_level=True)
 
 from ops import attention as A  # noqa: E402
+from ops.backends import get_backend  # noqa: E402
 from ops.flashinfer_attention import FlashInferBackend  # noqa: E402
 from tests.test_flashinfer_metadata import make_meta  # noqa: E402
 
@@ -69,7 +70,7 @@ def test_interleaved_variants_and_steps():
 
 
 def test_store_then_attend_and_auto_choice():
-    be = A.get_backend("auto", DEV)
+    be = get_backend("auto", DEV)
     assert be.name == "flashinfer"
     meta, q, kc, vc = inputs(Q_LENS, KV_LENS, 8, 2, 64, torch.float16, seed=9)
     k_new = torch.randn(len(meta.slot_mapping), 2, 64, device=DEV, dtype=torch.float16)

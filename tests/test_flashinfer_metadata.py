@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ops import attention as A
+from ops import backends as B
 from ops.flashinfer_attention import paged_kv_csr, window_left
 
 BS = 16
@@ -130,12 +131,12 @@ def test_window_left():
 
 
 def test_auto_choice():
-    assert A.auto_backend_name("cuda", True, True) == "flashinfer"
-    assert A.auto_backend_name("cuda", True, False) == "flashinfer"
-    assert A.auto_backend_name("cuda", False, True) == "triton"
-    assert A.auto_backend_name("cuda", False, False) == "torch"
+    assert B.auto_backend_name("cuda", True, True) == "flashinfer"
+    assert B.auto_backend_name("cuda", True, False) == "flashinfer"
+    assert B.auto_backend_name("cuda", False, True) == "triton"
+    assert B.auto_backend_name("cuda", False, False) == "torch"
     for dev in ("cpu", "mps"):
-        assert A.auto_backend_name(dev, True, True) == "torch"
+        assert B.auto_backend_name(dev, True, True) == "torch"
 
 
 def _fake_find_spec(present):
@@ -150,21 +151,21 @@ def _fake_find_spec(present):
 
 def test_get_backend_auto_without_flashinfer(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", _fake_find_spec({"flashinfer": None, "triton": None}))
-    assert A.get_backend("auto", torch.device("cuda")).name == "torch"
-    assert A.get_backend("auto", torch.device("cpu")).name == "torch"
+    assert B.get_backend("auto", torch.device("cuda")).name == "torch"
+    assert B.get_backend("auto", torch.device("cpu")).name == "torch"
     monkeypatch.setattr(importlib.util, "find_spec", _fake_find_spec({"flashinfer": None}))
     if importlib.util.find_spec("triton") is not None:
-        assert A.get_backend("auto", torch.device("cuda")).name == "triton"
+        assert B.get_backend("auto", torch.device("cuda")).name == "triton"
 
 
 def test_flashinfer_is_registered_and_imported_lazily(monkeypatch):
-    assert "flashinfer" in A.BACKENDS
+    assert "flashinfer" in B.BACKENDS
     if importlib.util.find_spec("flashinfer") is not None:
         pytest.skip("flashinfer is installed here")
     # 'auto' on CUDA picks flashinfer when it is found; constructing it without the package says what is missing.
     monkeypatch.setattr(importlib.util, "find_spec", _fake_find_spec({"flashinfer": object()}))
     with pytest.raises(ImportError, match="flashinfer-python"):
-        A.get_backend("auto", torch.device("cuda"))
+        B.get_backend("auto", torch.device("cuda"))
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ from xinfer.errors import ModelLoadError
 from xinfer.loader import gguf_hybrid
 from xinfer.loader.gguf_arch import (ARCH_BLOCK_TENSORS, ARCHITECTURES, BLOCK_TENSORS, EXPERT_TENSORS, GLOBAL_TENSORS,
                                      WHOLE_TENSORS, arch_config)
-from xinfer.loader.gguf_file import BLOCK_TYPES, GGUFFile
+from ops.block_types import BLOCK_TYPES
+from xinfer.loader.gguf_file import GGUFFile
 from xinfer.loader.lazy import Lazy
 from xinfer.loader.gguf_tokenizer import add_special_tokens, byte_level_tokenizer, sentencepiece_tokenizer
 

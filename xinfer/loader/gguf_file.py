@@ -15,11 +15,6 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quant_shape_to_byte_shape
 
-# GGUF block types the CPU kernels read (ops/quant.py) -> (weights, bytes) per block. Q4_K's
-# super-blocks are read as eight 32-weight Q4_1-style blocks, each with its own d and m; the 5-, 6-
-# and 2-bit types as signed bytes with their scales (and mins).
-BLOCK_TYPES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q5_0": (32, 22), "Q5_1": (32, 24),
-               "Q2_K": (256, 84), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 
 # GGUF metadata value types -> struct format (8: string, 9: array)
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}

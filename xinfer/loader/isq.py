@@ -30,7 +30,7 @@ from xinfer import envs
 from xinfer.config import ISQ_FORMATS
 from xinfer.loader import hf, kquant
 from xinfer.loader.dequant import size
-from xinfer.loader.gguf_file import BLOCK_TYPES
+from ops.block_types import BLOCK_TYPES
 
 log = logging.getLogger("xinfer.loader")
 

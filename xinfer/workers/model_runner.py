@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ops import cpu_isa, cpu_kernels, qgemm
-from ops.attention import get_backend
+from ops.backends import get_backend
 from ops.quant import QuantWeight
 from ops.sampling import on_device, sample
 from ops.speculative import verify
