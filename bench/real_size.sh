@@ -4,8 +4,11 @@
 # quantizer, the same file for both servers, servers in turn (xinfer-bench compare --serve).
 #   bench/real_size.sh make  DIR LLAMA_TOOLS TOKENIZER_DIR   shaped HF folders, bf16 / Q4_K_M / Q8_0 GGUF files
 #   bench/real_size.sh run   DIR LLAMA_SERVER_DIR OUT         the comparisons; results in OUT/<tag>/
+#   bench/real_size.sh bf16  DIR VLLM_VENV OUT                the HF bf16 folders against vLLM-CPU
 # LLAMA_TOOLS from ../shared/peers/llama-tools.sh, LLAMA_SERVER_DIR from ../shared/peers/llama-server.sh
-# build; TOKENIZER_DIR an HF folder with tokenizer.json and config.json (its vocab sets the shapes').
+# build, VLLM_VENV from ../shared/peers/vllm-cpu.sh install; TOKENIZER_DIR an HF folder with
+# tokenizer.json and config.json (its vocab sets the shapes') and a chat template (the chat scenarios
+# need one: tokenizer_config.json / chat_template.jinja, copied into each folder).
 # Every figure names the CPU: compare writes the machine's flags into each result.
 set -eu
 cd "$(dirname "$0")/.."
@@ -41,5 +44,18 @@ run)
   done
   cmp "$dir/qwen3-4b-q4_k_m.gguf" cpu-chat-1 4b-c1 "" "" --num-requests 4
   cmp "$dir/qwen3-4b-q4_k_m.gguf" cpu-chat-16 4b-c16 "" "" --num-requests 16 ;;
-*) echo "usage: $0 make DIR LLAMA_TOOLS TOKENIZER_DIR | run DIR LLAMA_SERVER_DIR OUT" >&2; exit 2 ;;
+bf16)
+  dir=$2 venv=$3 out=$4
+  vcmp() {  # MODEL SCENARIO TAG [compare flags]
+    local m=$1 sc=$2 tag=$3
+    shift 3
+    .venv/bin/xinfer-bench compare --scenario "$sc" --repeats 1 --tokenizer "$dir/qwen3-0.6b-hf" \
+      --target xinfer=http://127.0.0.1:8001/v1 --serve "xinfer=.venv/bin/xinfer serve --port 8001 --max-num-seqs 64 --model $m" \
+      --target vllm=http://127.0.0.1:8003/v1 --serve "vllm=../shared/peers/vllm-cpu.sh serve $venv $m 8003" \
+      --serve-timeout 600 --output-dir "$out/$tag" --no-plots "$@"
+  }
+  for c in 1 16 64; do vcmp "$dir/qwen3-0.6b-hf" "cpu-chat-$c" "0.6b-bf16-c$c"; done
+  vcmp "$dir/qwen3-4b-hf" cpu-chat-1 4b-bf16-c1 --num-requests 3
+  vcmp "$dir/qwen3-4b-hf" cpu-chat-16 4b-bf16-c16 --num-requests 16 ;;
+*) echo "usage: $0 make DIR LLAMA_TOOLS TOKENIZER_DIR | run DIR LLAMA_SERVER_DIR OUT | bf16 DIR VLLM_VENV OUT" >&2; exit 2 ;;
 esac
