@@ -540,16 +540,5 @@ def rss_by_process(pid: int) -> dict[str, int]:
 
 def tree_rss(pid: int) -> int | None:
     """Resident memory in bytes of a process and all its descendants; None when it is gone."""
-    import psutil
-    try:
-        p = psutil.Process(pid)
-        procs = [p] + p.children(recursive=True)
-    except psutil.Error:
-        return None
-    total = 0
-    for q in procs:
-        try:
-            total += q.memory_info().rss
-        except psutil.Error:
-            pass
-    return total
+    by = rss_by_process(pid)
+    return sum(by.values()) if by else None

@@ -11,11 +11,10 @@ import ctypes
 
 import torch
 
-from ops import kv_quant
+from ops import envs, kv_quant
 from ops.cpu_kernels import lib
 from ops.qgemm import Bf16Weight, PackedWeight
 from ops.quant import QuantWeight
-from ops import envs
 
 ENABLED = envs.cpu_decode()
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float

@@ -16,10 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ops import cpu_isa
-from ops import cpu_kernels
+from ops import cpu_isa, cpu_kernels, envs
 from ops.cpu_kernels import lib
-from ops import envs
 
 KINDS = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2}
 _BLOCK = {0: 256, 1: 256, 2: 32}  # inputs a super-block
@@ -97,7 +95,7 @@ class Bf16Weight:
     """A bfloat16 weight [N, K] held once, in 16-column panels (ops/cpu_kernels.c xinfer_bf16_pack), for
     every batch: the inputs rounded to bfloat16 and float32 sums, as oneDNN's bfloat16 GEMM does, in
     one layout that the one-call decode step reads too (oneDNN's packed copy is opaque to it). Taken
-    with --cpu-matmul bfloat16 where the kernels have AVX512_BF16 (`usable`)."""
+    with --cpu-matmul bfloat16 where the kernels have AVX512_BF16 (`available`, `usable` for a shape)."""
 
     # linear() sends it every batch (its float weight is gone); the one-call decode step takes batches
     # up to this many rows: past them a step is GEMM-bound, and the C step's barriers (~300 a step) cost
@@ -110,9 +108,14 @@ class Bf16Weight:
         self.shape = (n, k)
 
     @staticmethod
+    def available() -> bool:
+        """The kernels are built with AVX512_BF16 dot products (and XINFER_QGEMM is not 0)."""
+        return envs.qgemm() and cpu_kernels.has_bf16()
+
+    @staticmethod
     def usable(shape) -> bool:
         n, k = shape
-        return envs.qgemm() and cpu_kernels.has_bf16() and n % 16 == 0 and k % 32 == 0
+        return Bf16Weight.available() and n % 16 == 0 and k % 32 == 0
 
     @classmethod
     def of(cls, w: torch.Tensor) -> "Bf16Weight":

@@ -162,7 +162,7 @@ def test_isq_holds_blocks_alone(tmp_path, monkeypatch, fmt):
     assert kld < 0.002 and (p.argmax(-1) == q.argmax(-1)).float().mean().item() >= 0.9, kld
 
 
-@pytest.mark.skipif(not qgemm.Bf16Weight.usable((16, 32)), reason="no AVX512_BF16 kernels here")
+@pytest.mark.skipif(not qgemm.Bf16Weight.available(), reason="the kernels here lack AVX512_BF16 (the suite builds them below it; test_the_bf16_build_passes_its_tests reruns this with them where the CPU has it)")
 def test_bf16_panels_every_batch_and_the_decode_step(tmp_path):
     """--cpu-matmul bfloat16 holds each Linear and the head once, as bfloat16 panels: the kernel is the
     bfloat16 GEMM's arithmetic (inputs and weights rounded to bfloat16, float32 sums) at every batch

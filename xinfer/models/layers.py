@@ -14,12 +14,12 @@ from ops.attention import attend
 from ops.linear import linear, pack
 from ops.norm import RMSNorm
 from ops.qgemm import Bf16Weight, PackedWeight
-
-HELD = (PackedWeight, Bf16Weight)  # weights held alone, for every batch (ops/qgemm.py)
 from ops.quant import QuantWeight
 from ops.rotary import RotaryEmbedding
 from xinfer import parallel as tp
 from xinfer.loader.lazy import Lazy, materialize, reads_parts
+
+HELD = (PackedWeight, Bf16Weight)  # weights held alone, for every batch (ops/qgemm.py)
 
 
 def default_loader(param: nn.Parameter, loaded: torch.Tensor, shard=None) -> None:

@@ -109,7 +109,7 @@ class ModelRunner:
             and self.config.cpu_matmul != "float32"
         held = gguf_held(info.gguf) if gguf_blocks and fast_blocks else None
         if info.kind == "hf" and info.quant is None and not self.config.isq and self.device.type == "cpu" \
-                and self.config.cpu_matmul == "bfloat16" and tp.world_size() == 1 and qgemm.Bf16Weight.usable((16, 32)):
+                and self.config.cpu_matmul == "bfloat16" and tp.world_size() == 1 and qgemm.Bf16Weight.available():
             held = bf16_held(info.path)
         model = build_model(dataclasses.replace(info, config=cfg), self.dtype, self.device, ckpt_blocks, held)
         if gguf_blocks:
